@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make test` and `make demo`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch; an unpinned `pip install torch` pulls GBs of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test bench demo clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/ffstate bench codec
+
+demo: $(STAMP)
+	$(VENV)/bin/ffstate demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

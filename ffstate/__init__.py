@@ -1,0 +1,9 @@
+"""ffstate: bit-exact, in-memory peer replication of PyTorch training state.
+
+The public names live here; everything else is importable by its module path (``ffstate.codec``...).
+"""
+
+from ffstate.errors import CodecError, FFStateError
+
+__all__ = ["CodecError", "FFStateError"]
+__version__ = "0.1.0"
