@@ -1,0 +1,401 @@
+"""The lossless snapshot codec: pack a state into one flat buffer, encode it (full, or an XOR delta
+against a base) into checksummed chunks, and back, bit for bit (DESIGN.md I1, I2, I6).
+
+Two levels:
+
+- state level: ``encode(state, base) -> Packed`` and ``decode(packed, base) -> state``;
+- buffer level, for the capture path and the daemon: ``pack``/``pack_into`` a state into a buffer
+  the caller owns, ``encode_snapshot``/``decode_snapshot`` on buffers, ``unpack`` a buffer into a
+  new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
+
+CPU buffers use the reference path (``ffstate.planes``); CUDA buffers use the Triton kernels in
+``ffstate.kernels``, which produce the same bytes. The wire format is in docs/wire-format.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ffstate import layout, planes
+from ffstate.errors import CodecError
+from ffstate.layout import Manifest
+
+FORMAT = 1
+# 4 MiB chunks: large enough that per-chunk costs (a gRPC message, a checksum launch) are noise,
+# small enough to pipeline and to resend cheaply after a checksum failure.
+DEFAULT_CHUNK_BYTES = 4 << 20
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
+# Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
+CHUNK_OVERHEAD = 16
+MAX_HEADER_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One unit of an encoded version: ``payload`` is bytes-like, ``checksum`` covers it."""
+
+    index: int
+    count: int
+    checksum: int
+    payload: memoryview
+
+    @staticmethod
+    def of(index: int, count: int, payload: np.ndarray | bytes) -> "Chunk":
+        arr = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else payload
+        return Chunk(index, count, planes.checksum(arr), memoryview(arr).cast("B"))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A packed state: its manifest, the flat uint8 buffer, and the buffer's checksum."""
+
+    manifest: Manifest
+    buffer: torch.Tensor
+    checksum: int
+
+
+@dataclass
+class Packed:
+    """An encoded version: chunk 0 is the header (JSON), chunks 1.. are segments of the buffer.
+
+    ``nbytes`` is what goes on the wire; ``raw_nbytes`` is the size of the snapshot it restores.
+    """
+
+    chunks: list[Chunk]
+    _header: dict | None = field(default=None, repr=False)
+
+    @property
+    def header(self) -> dict:
+        if self._header is None:
+            self._header = _parse_header(self.chunks)
+        return self._header
+
+    @property
+    def kind(self) -> str:
+        return self.header["kind"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.payload) + CHUNK_OVERHEAD for c in self.chunks)
+
+    @property
+    def raw_nbytes(self) -> int:
+        return int(self.header["nbytes"])
+
+    @property
+    def checksum(self) -> int:
+        return int(self.header["checksum"], 16)
+
+    @property
+    def base_checksum(self) -> int | None:
+        b = self.header.get("base_checksum")
+        return None if b is None else int(b, 16)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_nbytes / max(1, self.nbytes)
+
+
+# ---------------------------------------------------------------- backend dispatch
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    """Triton for CUDA tensors; FFSTATE_KERNELS=triton forces it (CPU tensors need TRITON_INTERPRET=1)."""
+    choice = os.environ.get("FFSTATE_KERNELS", "auto")
+    if choice not in ("auto", "triton", "torch"):
+        raise ValueError(f"FFSTATE_KERNELS must be auto, triton or torch, not {choice!r}")
+    return choice == "triton" or (choice == "auto" and t.is_cuda)
+
+
+def buffer_checksum(buf: torch.Tensor) -> int:
+    """The checksum of a uint8 buffer (``planes.checksum``), on the buffer's device."""
+    if _use_kernels(buf):
+        from ffstate import kernels
+
+        return kernels.checksum(buf)
+    return planes.checksum(buf.numpy())
+
+
+# ---------------------------------------------------------------- state <-> buffer
+
+
+def pack(state: Any, out: torch.Tensor | None = None) -> Snapshot:
+    """Packs every tensor of ``state`` into one flat buffer (a new zeroed one unless ``out`` is given)."""
+    manifest = layout.describe(state)
+    if out is None:
+        device = _device_of(state)
+        out = layout.alloc_buffer(manifest, device=device)
+    return pack_into(state, out, manifest)
+
+
+def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None) -> Snapshot:
+    """Packs ``state`` into ``out``, a uint8 buffer the caller owns (e.g. a shared-memory slot).
+
+    ``out`` must hold ``manifest.nbytes`` bytes and be zero in the padding (``layout.alloc_buffer``
+    gives such a buffer; later packs of the same layout keep it so). Passing the cached
+    ``manifest`` of an earlier pack checks that the layout has not changed.
+
+    Raises:
+        CodecError: the state changed layout, or ``out`` is too small or not a flat uint8 tensor.
+    """
+    current, arrays = layout.analyze(state)
+    if manifest is not None and manifest.layout_id != current.layout_id:
+        raise CodecError(f"the state's layout changed since it was described: {layout.diff_layouts(current, manifest)}")
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
+        raise CodecError(f"pack_into needs a flat contiguous uint8 buffer, got {out.dtype} of shape {list(out.shape)}")
+    if out.numel() < current.nbytes:
+        raise CodecError(f"buffer of {out.numel()} bytes is too small for this state ({current.nbytes} bytes)")
+    placed = list(layout.iter_placed(current, arrays))
+    if _use_kernels(out):
+        from ffstate import kernels
+
+        kernels.gather(placed, out)
+    else:
+        for spec, a in placed:
+            if spec.kind == "ndarray":
+                out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
+            else:
+                layout.tensor_view(out, spec).copy_(a.detach())
+    buf = out[: current.nbytes]
+    return Snapshot(current, buf, buffer_checksum(buf))
+
+
+def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
+    """A new state from a snapshot: CPU tensors are views of its buffer, others are copied to their device."""
+    return layout.materialize(snapshot.manifest, snapshot.buffer, map_location)
+
+
+def restore_into(snapshot: Snapshot, live: Any) -> Any:
+    """Copies a snapshot into the tensors of ``live`` in place and returns the restored state.
+
+    ``live`` is a state of the same layout whose tensors are the training's own (e.g.
+    ``{"model": model.state_dict(), "optim": optimizer.state_dict()}``: both share storage with the
+    parameters and optimizer state), so a DDP/FSDP-wrapped model keeps its parameters' identity.
+    Tensors in the returned state are ``live``'s tensors; scalars (learning rates, step counts held
+    as Python numbers) are the snapshot's, for the caller to apply.
+
+    Raises:
+        CodecError: ``live`` does not have the snapshot's layout.
+    """
+    current, arrays = layout.analyze(live)
+    if current.layout_id != snapshot.manifest.layout_id:
+        raise CodecError(f"cannot restore into a state of another layout: {layout.diff_layouts(snapshot.manifest, current)}")
+    placed = list(layout.iter_placed(snapshot.manifest, arrays))
+    cuda = [(s, a) for s, a in placed if isinstance(a, torch.Tensor) and a.is_cuda]
+    if cuda:
+        from ffstate import kernels
+
+        kernels.scatter(snapshot.buffer, cuda)
+    with torch.no_grad():
+        for spec, a in placed:
+            if spec.kind == "ndarray":
+                a[...] = np.frombuffer(
+                    snapshot.buffer[spec.offset : spec.offset + spec.nbytes].numpy(), dtype=np.dtype(spec.np_dtype)
+                ).reshape(spec.shape)
+            elif not a.is_cuda:
+                a.copy_(layout.tensor_view(snapshot.buffer, spec))
+    return layout.unflatten(snapshot.manifest, arrays)
+
+
+def _device_of(state: Any) -> torch.device:
+    """CUDA when any tensor is on CUDA (packing then runs on the device), else CPU."""
+    _, leaves, _ = layout.flatten(state)
+    for _, a in leaves:
+        if isinstance(a, torch.Tensor) and a.is_cuda:
+            return a.device
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------- buffer <-> chunks
+
+
+def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+    """Encodes a snapshot as a full version, or as an XOR delta against ``base`` (same layout).
+
+    Raises:
+        CodecError: ``base`` has another layout, or ``chunk_bytes`` is out of range.
+    """
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    m = snapshot.manifest
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        "layout_id": m.layout_id,
+        "nbytes": m.nbytes,
+        "checksum": f"{snapshot.checksum:016x}",
+        "chunk_bytes": chunk_bytes,
+    }
+    buf = snapshot.buffer
+    if base is None:
+        header.update(kind="full", manifest=json.loads(m.to_json()))
+    else:
+        if base.manifest.layout_id != m.layout_id:
+            raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
+        header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
+    bodies = _encode_groups(buf, None if base is None else base.buffer.to(buf.device), m, chunk_bytes)
+    count = 1 + len(bodies)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    chunks = [Chunk.of(0, count, head)]
+    chunks += [Chunk.of(i + 1, count, body) for i, body in enumerate(bodies)]
+    return Packed(chunks, header)
+
+
+def decode_snapshot(
+    packed: Packed, base: Snapshot | None = None, max_nbytes: int | None = None, device: Any = "cpu"
+) -> Snapshot:
+    """The snapshot an encoded version restores, verified end to end; ``base`` is required for a delta.
+
+    The result's buffer is on ``device`` for a full version, on the base's device for a delta (a
+    CUDA buffer is decoded by the Triton kernels).
+    ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
+    budget allows); the chunk count is checked against the manifest before anything is allocated.
+
+    Raises:
+        CodecError: a chunk is corrupted, missing, reordered or foreign; the base is missing or wrong;
+            or the decoded buffer does not match the version's checksum.
+    """
+    header = packed.header  # validates the chunk list: count, order, checksums
+    if header["kind"] == "full":
+        manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
+        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+        if max_nbytes is not None and manifest.nbytes > max_nbytes:
+            raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {max_nbytes} allowed")
+        out = layout.alloc_buffer(manifest, device=device)
+    else:
+        if base is None:
+            raise CodecError("this version is a delta: decoding it needs the base it was encoded against")
+        if base.manifest.layout_id != header["layout_id"]:
+            raise CodecError(
+                f"wrong base: the delta is for layout {header['layout_id']}, the base has {base.manifest.layout_id}"
+            )
+        if base.checksum != packed.base_checksum:
+            raise CodecError(
+                f"wrong base: the delta was encoded against a base with checksum {header['base_checksum']}, "
+                f"the given base has {base.checksum:016x}"
+            )
+        manifest = base.manifest.with_scalars(header["scalars"])
+        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+        out = base.buffer.detach().clone()
+    if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
+        raise CodecError("the header's layout id or size does not match its manifest")
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    got = buffer_checksum(out)
+    if got != packed.checksum:
+        raise CodecError(
+            f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
+            "the chunks do not belong to this version or its base"
+        )
+    return Snapshot(manifest, out, got)
+
+
+def segments(manifest: Manifest, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(byte offset, element count, itemsize) of every segment, in chunk order."""
+    out = []
+    for g in manifest.groups:
+        step = max(1, chunk_bytes // g.itemsize) * g.itemsize
+        for start in range(g.offset, g.offset + g.nbytes, step):
+            nbytes = min(step, g.offset + g.nbytes - start)
+            out.append((start, nbytes // g.itemsize, g.itemsize))
+    return out
+
+
+def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manifest, chunk_bytes: int
+                   ) -> list[np.ndarray]:
+    """Encoded segments of ``buf`` (XOR ``base``), in chunk order."""
+    segs = segments(manifest, chunk_bytes)
+    if _use_kernels(buf):
+        from ffstate import kernels
+
+        return kernels.encode_segments(buf, segs, base)
+    host = buf.numpy()
+    if base is not None:
+        # uint64 words: 8x fewer elements than bytes (buffers are 64-byte aligned in size).
+        delta = np.empty(host.size, dtype=np.uint8)
+        np.bitwise_xor(host.view(np.uint64), base.numpy().view(np.uint64), out=delta.view(np.uint64))
+        host = delta
+    return [
+        planes.encode_segment(host[off : off + n * size], size, off) for off, n, size in segs
+    ]
+
+
+def _check_segment_count(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int) -> None:
+    need = len(segments(manifest, chunk_bytes))
+    if len(chunks) - 1 != need:
+        raise CodecError(f"version has {len(chunks) - 1} segment chunks, its manifest needs {need}")
+
+
+def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor) -> None:
+    segs = segments(manifest, chunk_bytes)
+    payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
+    if _use_kernels(out):
+        from ffstate import kernels
+
+        kernels.apply_segments(payloads, segs, out)
+        return
+    host = out.numpy()
+    for payload, (off, n, size) in zip(payloads, segs):
+        planes.apply_segment(payload, size, off, host[off : off + n * size])
+
+
+def _parse_header(chunks: Sequence[Chunk]) -> dict:
+    """Validates the chunk list (count, order, checksums) and parses chunk 0, the JSON header."""
+    if not chunks:
+        raise CodecError("empty chunk list: a version has at least its header chunk")
+    count = chunks[0].count
+    if len(chunks) != count:
+        raise CodecError(f"truncated or padded chunk list: {len(chunks)} chunks, the version has {count}")
+    for i, c in enumerate(chunks):
+        if c.index != i or c.count != count:
+            raise CodecError(f"chunk {i} of {count} claims to be chunk {c.index} of {c.count}: reordered or foreign")
+        got = planes.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+        if got != c.checksum:
+            raise CodecError(f"chunk {i} of {count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+    if len(chunks[0].payload) > MAX_HEADER_BYTES:
+        raise CodecError(f"header chunk of {len(chunks[0].payload)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(bytes(chunks[0].payload))
+        kind = header["kind"]
+        fmt = header["format"]
+        int(header["checksum"], 16)
+        nbytes, chunk_bytes = int(header["nbytes"]), int(header["chunk_bytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CodecError(f"malformed header chunk: {e!r}") from e
+    if fmt != FORMAT:
+        raise CodecError(f"format {fmt} is not supported by this ffstate (format {FORMAT})")
+    if kind not in ("full", "delta") or ("manifest" if kind == "full" else "scalars") not in header:
+        raise CodecError(f"malformed header: kind {kind!r}")
+    if kind == "delta" and "base_checksum" not in header:
+        raise CodecError("malformed header: a delta without its base checksum")
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or nbytes < 0:
+        raise CodecError(f"malformed header: chunk_bytes {chunk_bytes}, nbytes {nbytes}")
+    return header
+
+
+# ---------------------------------------------------------------- state-level API
+
+
+def encode(state: Any, base: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+    """Encodes a state: in full when ``base`` is None, else as a delta against ``base`` (same structure).
+
+    Raises:
+        CodecError: the state holds an unsupported value, or ``base`` has another structure.
+    """
+    snapshot = pack(state)
+    return encode_snapshot(snapshot, None if base is None else pack(base), chunk_bytes)
+
+
+def decode(packed: Packed, base: Any = None, map_location: Any = None) -> Any:
+    """The exact state an encoded version holds (same nesting and types, bitwise-equal tensors).
+
+    Raises:
+        CodecError: see ``decode_snapshot``.
+    """
+    snapshot = decode_snapshot(packed, None if base is None else pack(base))
+    return unpack(snapshot, map_location)
