@@ -1,0 +1,94 @@
+"""Gather many tensors into one flat buffer (capture) and scatter it back into live tensors (restore).
+
+One launch moves every tensor: a table gives each tensor's address, its offset in the buffer and
+its size, and a tile table splits tensors into blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ffstate.kernels._launch import block
+
+
+@triton.jit
+def _copy_tiles_kernel(addr, offset, nbytes, tile_tensor, tile_block, buf, TO_BUFFER: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.load(tile_tensor + t)
+    b = tl.load(tile_block + t).to(tl.int64)
+    ptr = tl.load(addr + i).to(tl.pointer_type(tl.uint8))
+    off = tl.load(offset + i)
+    n = tl.load(nbytes + i)
+    idx = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    m = idx < n
+    if TO_BUFFER:
+        tl.store(buf + off + idx, tl.load(ptr + idx, mask=m), mask=m)
+    else:
+        tl.store(ptr + idx, tl.load(buf + off + idx, mask=m), mask=m)
+
+
+def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer: bool) -> None:
+    if not pairs:
+        return
+    # 4096 bytes per program: a tensor smaller than that is one program; large ones spread over all SMs.
+    bl = block(4096)
+    dev = buf.device
+    addr = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    offset = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    nbytes = torch.tensor([p[2] for p in pairs], dtype=torch.int64)
+    blocks = (nbytes + bl - 1) // bl
+    tile_tensor = torch.repeat_interleave(torch.arange(len(pairs)), blocks)
+    starts = torch.cumsum(blocks, 0) - blocks
+    tile_block = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
+    args = [x.to(dev) for x in (addr, offset, nbytes, tile_tensor.to(torch.int32), tile_block.to(torch.int32))]
+    _copy_tiles_kernel[(tile_tensor.numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
+
+
+def _split(buf: torch.Tensor, placed: Sequence[tuple[Any, Any]]):
+    """(address, offset, nbytes) for tensors the kernel can move; the rest for a torch copy."""
+    fast, slow = [], []
+    for spec, t in placed:
+        if isinstance(t, torch.Tensor) and t.device == buf.device and t.is_contiguous():
+            fast.append((t.data_ptr(), spec.offset, spec.nbytes))
+        else:
+            slow.append((spec, t))
+    return fast, slow
+
+
+def gather(placed: Sequence[tuple[Any, Any]], out: torch.Tensor) -> None:
+    """Copies each (spec, tensor) into ``out[spec.offset:][:spec.nbytes]`` in one launch.
+
+    Non-contiguous tensors, tensors on another device and numpy arrays take a torch copy.
+    """
+    from ffstate import layout
+
+    fast, slow = _split(out, placed)
+    _launch(out, fast, to_buffer=True)
+    for spec, a in slow:
+        if spec.kind == "ndarray":
+            out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
+        else:
+            layout.tensor_view(out, spec).copy_(a.detach())
+
+
+def scatter(buf: torch.Tensor, placed: Sequence[tuple[Any, torch.Tensor]]) -> None:
+    """Copies the bytes of each spec out of ``buf`` into its live tensor, in place, in one launch.
+
+    ``buf`` may be on the host: it is copied to the tensors' device once first.
+    """
+    from ffstate import layout
+
+    if not placed:
+        return
+    device = placed[0][1].device
+    if buf.device != device:
+        buf = buf.to(device, non_blocking=True)
+    fast, slow = _split(buf, placed)
+    _launch(buf, fast, to_buffer=False)
+    with torch.no_grad():
+        for spec, t in slow:
+            t.copy_(layout.tensor_view(buf, spec))
