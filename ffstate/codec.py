@@ -162,7 +162,7 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None) -
             if spec.kind == "ndarray":
                 out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
             else:
-                layout.tensor_view(out, spec).copy_(a.detach())
+                layout.copy_bits(layout.tensor_view(out, spec), a)
     buf = out[: current.nbytes]
     return Snapshot(current, buf, buffer_checksum(buf))
 
@@ -200,7 +200,7 @@ def restore_into(snapshot: Snapshot, live: Any) -> Any:
                     snapshot.buffer[spec.offset : spec.offset + spec.nbytes].numpy(), dtype=np.dtype(spec.np_dtype)
                 ).reshape(spec.shape)
             elif not a.is_cuda:
-                a.copy_(layout.tensor_view(snapshot.buffer, spec))
+                layout.copy_bits(a, layout.tensor_view(snapshot.buffer, spec))
     return layout.unflatten(snapshot.manifest, arrays)
 
 

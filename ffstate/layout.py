@@ -375,6 +375,15 @@ def tensor_view(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     return raw.view(DTYPES[spec.dtype]).view(spec.shape)
 
 
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that keeps every bit: bools go as bytes (a bool copy may normalise them to 0/1)."""
+    with torch.no_grad():
+        if src.dtype == torch.bool:
+            dst.view(torch.uint8).copy_(src.detach().view(torch.uint8))
+        else:
+            dst.copy_(src.detach())
+
+
 def array_bytes(a: Any) -> torch.Tensor:
     """A numpy array's bytes as a flat uint8 tensor."""
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
@@ -387,17 +396,21 @@ def iter_placed(manifest: Manifest, arrays: Sequence[Any]) -> Iterator[tuple[Ten
 
 
 def materialize(manifest: Manifest, buf: torch.Tensor, map_location: Any = None) -> Any:
-    """The state held by ``buf``: tensors are views of ``buf`` (or copies on ``map_location``)."""
+    """The state held by ``buf``, as new tensors (on their recorded device, or ``map_location``).
+
+    Each tensor gets its own storage: some consumers ignore a view's storage offset
+    (``torch.set_rng_state`` does), and one tensor kept alive should not pin the whole buffer.
+    """
     arrays = []
     for spec in manifest.tensors:
         if spec.kind == "ndarray":
             raw = buf[spec.offset : spec.offset + spec.nbytes].cpu().numpy()
             arrays.append(raw.view(np.dtype(spec.np_dtype)).reshape(spec.shape).copy())
             continue
-        t = tensor_view(buf, spec)
         device = torch.device(map_location) if map_location is not None else torch.device(spec.device)
-        if t.device != device:
-            t = t.to(device)
+        t = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device)
+        if device.type != "meta":
+            copy_bits(t, tensor_view(buf, spec))
         if spec.kind == "param":
             t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
         elif spec.requires_grad:

@@ -72,7 +72,7 @@ def gather(placed: Sequence[tuple[Any, Any]], out: torch.Tensor) -> None:
         if spec.kind == "ndarray":
             out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
         else:
-            layout.tensor_view(out, spec).copy_(a.detach())
+            layout.copy_bits(layout.tensor_view(out, spec), a)
 
 
 def scatter(buf: torch.Tensor, placed: Sequence[tuple[Any, torch.Tensor]]) -> None:
@@ -89,6 +89,5 @@ def scatter(buf: torch.Tensor, placed: Sequence[tuple[Any, torch.Tensor]]) -> No
         buf = buf.to(device, non_blocking=True)
     fast, slow = _split(buf, placed)
     _launch(buf, fast, to_buffer=False)
-    with torch.no_grad():
-        for spec, t in slow:
-            t.copy_(layout.tensor_view(buf, spec))
+    for spec, t in slow:
+        layout.copy_bits(t, layout.tensor_view(buf, spec))

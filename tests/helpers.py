@@ -18,8 +18,21 @@ import torch
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor as a flat uint8 tensor (on CPU)."""
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu()
+    if t.dtype == torch.bool:  # a bool copy normalises bytes to 0/1; compare the bytes as stored
+        t = t.view(torch.uint8)
+    t = t.contiguous()
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def contiguous_bits(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy with every byte as stored (``.contiguous()`` normalises bool bytes to 0/1)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    if t.dtype == torch.bool:
+        out.view(torch.uint8).copy_(t.view(torch.uint8))
+    else:
+        out.copy_(t)
+    return out
 
 
 def assert_bitwise_equal(got: Any, want: Any, path: str = "") -> None:

@@ -1,0 +1,291 @@
+"""ffstate/codec.py: encode/decode round trips bit for bit, in-place restore, and every bad input."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ffstate import codec, layout, planes
+from ffstate.codec import Chunk, Packed
+from ffstate.errors import CodecError
+from helpers import TinyGPT, assert_bitwise_equal, contiguous_bits, train_states
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+@st.composite
+def tensors(draw, dtype=None):
+    dtype = dtype or draw(st.sampled_from(DTYPES))
+    shape = draw(st.lists(st.integers(0, 7), min_size=0, max_size=3))
+    n = int(np.prod(shape)) if shape else 1
+    raw = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    if t.dim() >= 2 and draw(st.booleans()):
+        t = t.transpose(0, 1)  # non-contiguous
+    return t
+
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                    st.text(max_size=8), st.binary(max_size=8))
+keys = st.one_of(st.text(min_size=1, max_size=6), st.integers(0, 50))
+states = st.recursive(
+    st.one_of(tensors(), scalars),
+    lambda children: st.one_of(
+        st.dictionaries(keys, children, max_size=4), st.lists(children, max_size=4),
+        st.lists(children, max_size=3).map(tuple),
+    ),
+    max_leaves=12,
+)
+
+
+def contiguous(state):
+    """The state as decode returns it: tensors contiguous, everything else unchanged."""
+    if isinstance(state, torch.Tensor):
+        return contiguous_bits(state)
+    if isinstance(state, dict):
+        return {k: contiguous(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(contiguous(v) for v in state)
+    return state
+
+
+def perturb(state, draw):
+    """Same structure, some tensor bytes and scalars changed."""
+    if isinstance(state, torch.Tensor):
+        t = contiguous(state)
+        if t.numel() and draw(st.booleans()):
+            b = t.view(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+            i = draw(st.integers(0, b.numel() - 1))
+            b[i] ^= draw(st.integers(1, 255))
+        return t
+    if isinstance(state, dict):
+        return {k: perturb(v, draw) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(perturb(v, draw) for v in state)
+    if isinstance(state, float) and draw(st.booleans()):
+        return draw(st.floats(allow_nan=True))
+    return state
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(state=states, data=st.data(), chunk=st.sampled_from([4096, 1 << 20]))
+def test_random_states_roundtrip_full_and_delta_bitwise(state, data, chunk):
+    full = codec.encode(state, chunk_bytes=chunk)
+    assert_bitwise_equal(codec.decode(full), contiguous(state))
+    nxt = perturb(state, data.draw)
+    delta = codec.encode(nxt, state, chunk_bytes=chunk)
+    assert delta.kind == ("full" if state is None else "delta")  # base=None means "no base"
+    assert_bitwise_equal(codec.decode(delta, state), contiguous(nxt))
+
+
+def test_adamw_training_run_roundtrips_through_a_chain_of_deltas():
+    """30 consecutive AdamW states of a small transformer; each restored from the previous restored one."""
+    prev_restored = None
+    for i, state in enumerate(train_states(30)):
+        if prev_restored is None:
+            packed = codec.encode(state)
+            restored = codec.decode(packed)
+        else:
+            packed = codec.encode(state, prev_restored)
+            assert packed.kind == "delta"
+            restored = codec.decode(packed, prev_restored)
+            assert packed.nbytes < packed.raw_nbytes, f"step {i}: the delta did not compress"
+        assert_bitwise_equal(restored, state)
+        prev_restored = restored
+
+
+def test_unchanged_state_costs_almost_nothing():
+    state = next(train_states(1))
+    delta = codec.encode(state, state)
+    assert delta.nbytes < 0.01 * delta.raw_nbytes + 64 * 1024
+
+
+def test_pack_into_a_caller_buffer_and_restore_in_place_keeps_tensor_identity():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def step():
+        model(torch.randint(0, 96, (2, 32))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    step()
+    live = {"model": model.state_dict(), "optim": opt.state_dict()}
+    manifest = layout.describe(live)
+    slot = layout.alloc_buffer(manifest)  # stands for a shared-memory slot owned by someone else
+    snap = codec.pack_into(live, slot, manifest)
+    assert snap.buffer.data_ptr() == slot.data_ptr()
+    want = copy.deepcopy(live)
+    for _ in range(3):
+        step()
+    params = [p for p in model.parameters()]
+    exp_avg = [opt.state[p]["exp_avg"] for p in params]
+    restored = codec.restore_into(snap, {"model": model.state_dict(), "optim": opt.state_dict()})
+    assert [p for p in model.parameters()] == params and all(a is b for a, b in zip(params, model.parameters()))
+    assert all(opt.state[p]["exp_avg"] is e for p, e in zip(params, exp_avg))
+    assert_bitwise_equal({"model": model.state_dict(), "optim": opt.state_dict()}, want)
+    assert_bitwise_equal(restored, want)
+
+
+def test_pack_into_refuses_a_changed_layout_and_a_small_buffer():
+    a = {"w": torch.zeros(8)}
+    m = layout.describe(a)
+    with pytest.raises(CodecError, match="layout changed"):
+        codec.pack_into({"w": torch.zeros(9)}, layout.alloc_buffer(m), m)
+    with pytest.raises(CodecError, match="too small"):
+        codec.pack_into(a, torch.zeros(8, dtype=torch.uint8))
+
+
+def test_restore_into_refuses_another_layout():
+    snap = codec.pack({"w": torch.zeros(8)})
+    with pytest.raises(CodecError, match="another layout"):
+        codec.restore_into(snap, {"w": torch.zeros(8, dtype=torch.float64)})
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def pair():
+    s0, s1, s2 = list(train_states(3))
+    return s0, s1, codec.encode(s1, s0, chunk_bytes=64 << 10), s2
+
+
+def with_chunks(packed, chunks):
+    return Packed(list(chunks))
+
+
+def test_structure_mismatch_between_state_and_base():
+    with pytest.raises(CodecError, match="another layout"):
+        codec.encode({"w": torch.zeros(3)}, {"w": torch.zeros(4)})
+    with pytest.raises(CodecError, match="another layout"):
+        codec.encode({"w": torch.zeros(3)}, {"v": torch.zeros(3)})
+
+
+def test_corrupted_chunk_is_detected(pair):
+    s0, _, d, _ = pair
+    chunks = list(d.chunks)
+    bad = bytearray(chunks[2].payload)
+    bad[len(bad) // 2] ^= 0x10
+    chunks[2] = Chunk(2, chunks[2].count, chunks[2].checksum, memoryview(bytes(bad)))
+    with pytest.raises(CodecError, match="chunk 2 .* corrupted"):
+        codec.decode(with_chunks(d, chunks), s0)
+
+
+def test_truncated_chunk_list_is_detected(pair):
+    s0, _, d, _ = pair
+    with pytest.raises(CodecError, match="truncated"):
+        codec.decode(with_chunks(d, d.chunks[:-1]), s0)
+    with pytest.raises(CodecError, match="empty"):
+        codec.decode(with_chunks(d, []), s0)
+
+
+def test_reordered_chunks_are_detected(pair):
+    s0, _, d, _ = pair
+    chunks = list(d.chunks)
+    chunks[1], chunks[2] = chunks[2], chunks[1]
+    with pytest.raises(CodecError, match="reordered"):
+        codec.decode(with_chunks(d, chunks), s0)
+
+
+def test_relabelled_chunk_with_valid_checksum_is_detected(pair):
+    """A chunk renumbered by a buggy sender (its checksum still valid) lands out of place."""
+    s0, _, d, _ = pair
+    chunks = list(d.chunks)
+    a, b = chunks[1], chunks[2]
+    chunks[1] = Chunk(1, a.count, b.checksum, b.payload)
+    chunks[2] = Chunk(2, a.count, a.checksum, a.payload)
+    with pytest.raises(CodecError, match="out of place"):
+        codec.decode(with_chunks(d, chunks), s0)
+
+
+def test_chunk_from_another_version_is_detected(pair):
+    s0, s1, d, s2 = pair
+    other = codec.encode(s2, s0, chunk_bytes=64 << 10)  # same layout and base, another version
+    chunks = list(d.chunks)
+    chunks[3] = other.chunks[3]
+    with pytest.raises(CodecError, match="checksum"):
+        codec.decode(with_chunks(d, chunks), s0)
+
+
+def test_wrong_base_is_detected(pair):
+    s0, s1, d, _ = pair
+    with pytest.raises(CodecError, match="wrong base"):
+        codec.decode(d, s1)
+    with pytest.raises(CodecError, match="wrong base"):
+        codec.decode(d, {"w": torch.zeros(2)})
+    with pytest.raises(CodecError, match="needs the base"):
+        codec.decode(d)
+
+
+def rewrite_segment(packed, index, payload):
+    chunks = list(packed.chunks)
+    arr = np.frombuffer(bytes(payload), dtype=np.uint8)
+    chunks[index] = Chunk.of(index, chunks[index].count, arr.copy())
+    return Packed(chunks)
+
+
+def _plane0(seg: bytes) -> tuple[int, int, int]:
+    """(tag, length, payload start) of plane 0 of an encoded segment."""
+    itemsize = planes.SEGMENT.unpack_from(seg)[1]
+    tag, length = planes.PLANE.unpack_from(seg, planes.SEGMENT.size)
+    return tag, length, planes.SEGMENT.size + planes.PLANE.size * itemsize
+
+
+def _extra_value_byte(seg: bytes) -> bytes:
+    """The segment with one more byte in its (sparse) plane 0 than its bitmap marks, lengths updated."""
+    tag, length, start = _plane0(seg)
+    b = bytearray(seg)
+    planes.PLANE.pack_into(b, planes.SEGMENT.size, tag, length + 1)
+    return bytes(b[: start + length]) + b"\x01" + bytes(b[start + length :])
+
+
+@pytest.mark.parametrize(
+    "what, mutate",
+    [
+        ("magic", lambda b: b"XXXX" + b[4:]),
+        ("unknown tag", lambda b: b[: planes.SEGMENT.size] + b"\x07" + b[planes.SEGMENT.size + 1 :]),
+        ("bitmap marks", _extra_value_byte),
+        ("planes account", lambda b: b + b"\x00\x00"),
+        ("truncated", lambda b: b[:10]),
+    ],
+)
+def test_malformed_segment_with_valid_checksum_is_refused(pair, what, mutate):
+    """A sender bug (not line noise: the chunk checksum is recomputed) still cannot yield a wrong state."""
+    s0, _, d, _ = pair
+    idx = next(i for i, c in enumerate(d.chunks[1:], 1) if _plane0(bytes(c.payload))[0] == planes.SPARSE)
+    with pytest.raises(CodecError, match=what):
+        codec.decode(rewrite_segment(d, idx, mutate(bytes(d.chunks[idx].payload))), s0)
+
+
+def test_malformed_header_is_refused(pair):
+    s0, _, d, _ = pair
+    head = json.loads(bytes(d.chunks[0].payload))
+    for mutate, what in [
+        (lambda h: h.__setitem__("format", 99), "format"),
+        (lambda h: h.__setitem__("kind", "weird"), "kind"),
+        (lambda h: h.pop("base_checksum"), "base checksum"),
+        (lambda h: h.__setitem__("chunk_bytes", 1), "chunk_bytes"),
+        (lambda h: h.__setitem__("scalars", [1]), "scalars"),
+    ]:
+        h = copy.deepcopy(head)
+        mutate(h)
+        with pytest.raises(CodecError, match=what):
+            codec.decode(rewrite_segment(d, 0, json.dumps(h).encode()), s0)
+    with pytest.raises(CodecError, match="malformed header"):
+        codec.decode(rewrite_segment(d, 0, b"\xff not json"), s0)
+
+
+def test_full_version_larger_than_allowed_is_refused_before_allocating():
+    packed = codec.encode({"w": torch.zeros(1 << 16)})
+    with pytest.raises(CodecError, match="more than"):
+        codec.decode_snapshot(packed, max_nbytes=1 << 10)
+
+
+def test_chunk_bytes_out_of_range_is_refused():
+    with pytest.raises(CodecError, match="chunk_bytes"):
+        codec.encode({"w": torch.zeros(4)}, chunk_bytes=10)

@@ -1,0 +1,136 @@
+"""ffstate/layout.py: nested states <-> manifest + flat buffer, for every leaf kind training produces."""
+
+import collections
+import json
+import math
+import random
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from ffstate import codec, layout
+from ffstate.errors import CodecError
+from helpers import assert_bitwise_equal, contiguous_bits
+
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def roundtrip(state):
+    snap = codec.pack(state)
+    return codec.unpack(snap)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_dtype_roundtrips_bitwise_with_0dim_empty_and_noncontiguous(dtype):
+    g = torch.Generator().manual_seed(1)
+    raw = torch.randint(0, 256, (6 * 10 * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    full = raw.view(dtype).reshape(6, 10)
+    state = {"full": full, "scalar": full[2, 3].clone(), "empty": full[:0], "t": full.t(), "strided": full[::2, 1::3]}
+    assert not state["t"].is_contiguous()
+    assert_bitwise_equal(roundtrip(state), {k: contiguous_bits(v) for k, v in state.items()})
+
+
+def test_special_float_values_keep_their_bits():
+    pattern = [0.0, -0.0, float("inf"), -float("inf"), 1e-45, -1e-40, 3.4e38]
+    t = torch.tensor(pattern, dtype=torch.float32)
+    nan_payloads = torch.from_numpy(np.array([0x7FC00001, 0xFFC12345, 0x7F800001], dtype=np.uint32).view(np.float32))
+    py_nan = struct.unpack("<d", struct.pack("<Q", 0x7FF8DEADBEEF0001))[0]
+    state = {"t": t, "nan": nan_payloads, "py": [0.0, -0.0, math.inf, py_nan, 5e-324]}
+    assert_bitwise_equal(roundtrip(state), state)
+
+
+def test_python_values_and_container_types_survive():
+    od = collections.OrderedDict([("w", torch.ones(2)), ("b", torch.zeros(1))])
+    od._metadata = {"": {"version": 1}}
+    state = {
+        "od": od,
+        "tuple": (1, "a", None, True, False, 2**70, -3),
+        "list": [b"\x00\xff", 1 + 2j, np.float32(1.5), np.int64(-7)],
+        3: {"int key": 1},
+        "size": torch.Size([2, 3]),
+        "param": torch.nn.Parameter(torch.randn(3)),
+    }
+    got = roundtrip(state)
+    assert_bitwise_equal(got, state)
+    assert isinstance(got["param"], torch.nn.Parameter)
+
+
+def test_training_state_with_rng_states_roundtrips():
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    state = {
+        "model": model.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+    }
+    got = roundtrip(state)
+    assert_bitwise_equal(got, state)
+    # The restored RNG states are usable as such.
+    np.random.set_state(got["rng"]["numpy"])
+    random.setstate(got["rng"]["python"])
+    torch.set_rng_state(got["rng"]["torch"])
+
+
+def test_manifest_is_plain_json_and_round_trips():
+    state = {"a": torch.randn(3, 5), "b": [torch.arange(4), 1.25], "c": np.arange(3, dtype=np.uint32)}
+    m = layout.describe(state)
+    text = m.to_json()
+    json.loads(text)  # plain JSON
+    again = layout.Manifest.from_json(text)
+    assert again == m
+    assert all(t.offset % layout.ALIGN == 0 for t in m.tensors)
+
+
+def test_layout_id_ignores_values_but_not_structure():
+    a = {"w": torch.zeros(3), "lr": 0.1}
+    assert layout.describe(a).layout_id == layout.describe({"w": torch.ones(3), "lr": 0.2}).layout_id
+    for other in ({"w": torch.zeros(4), "lr": 0.1}, {"w": torch.zeros(3, dtype=torch.float64), "lr": 0.1},
+                  {"v": torch.zeros(3), "lr": 0.1}, {"w": torch.zeros(3), "lr": 0.1, "x": 1}):
+        assert layout.describe(other).layout_id != layout.describe(a).layout_id
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"f": lambda x: x},
+        {"s": {1, 2}},
+        {"obj": np.array([object()], dtype=object)},
+        {"sparse": torch.eye(3).to_sparse()},
+    ],
+    ids=["function", "set", "object-array", "sparse-tensor"],
+)
+def test_unsupported_values_raise_codec_error_naming_the_path(bad):
+    with pytest.raises(CodecError, match=next(iter(bad))):
+        layout.describe(bad)
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda o: o["tensors"][0].__setitem__(1, "float128"),
+        lambda o: o["tensors"][0].__setitem__(2, [-1]),
+        lambda o: o["tensors"][0].__setitem__(3, 4096),
+        lambda o: o["tree"].__setitem__("d", [["a", {"T": 7}]]),
+        lambda o: o.__setitem__("tree", {"q": 1}),
+        lambda o: o.pop("scalars"),
+    ],
+    ids=["dtype", "shape", "offset", "dangling-slot", "node", "missing-field"],
+)
+def test_malformed_manifest_is_refused(mutate):
+    obj = json.loads(layout.describe({"a": torch.zeros(4), "b": 1.0}).to_json())
+    mutate(obj)
+    with pytest.raises(CodecError):
+        layout.Manifest.from_json(json.dumps(obj).encode())
+
+
+def test_map_location_moves_tensors():
+    state = {"w": torch.randn(4)}
+    got = codec.unpack(codec.pack(state), map_location="meta")
+    assert got["w"].device.type == "meta"
