@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
@@ -35,6 +36,21 @@ MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
 # Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
 CHUNK_OVERHEAD = 16
 MAX_HEADER_BYTES = 256 << 20
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _map(fn, items):
+    """``map`` over a thread pool: NumPy releases the GIL, so the CPU path scales with cores."""
+    global _POOL
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    if _POOL is None:
+        workers = int(os.environ.get("FFSTATE_CODEC_THREADS", min(8, os.cpu_count() or 1)))
+        _POOL = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ffstate-codec")
+    return list(_POOL.map(fn, items))
 
 
 @dataclass(frozen=True)
@@ -120,7 +136,7 @@ def buffer_checksum(buf: torch.Tensor) -> int:
         from ffstate import kernels
 
         return kernels.checksum(buf)
-    return planes.checksum(buf.numpy())
+    return planes.checksum(buf.numpy(), _map)
 
 
 # ---------------------------------------------------------------- state <-> buffer
@@ -242,18 +258,23 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
     bodies = _encode_groups(buf, None if base is None else base.buffer.to(buf.device), m, chunk_bytes)
     count = 1 + len(bodies)
     head = json.dumps(header, separators=(",", ":")).encode()
-    chunks = [Chunk.of(0, count, head)]
-    chunks += [Chunk.of(i + 1, count, body) for i, body in enumerate(bodies)]
+    chunks = _map(lambda ib: Chunk.of(ib[0], count, ib[1]), enumerate([head] + bodies))
     return Packed(chunks, header)
 
 
 def decode_snapshot(
-    packed: Packed, base: Snapshot | None = None, max_nbytes: int | None = None, device: Any = "cpu"
+    packed: Packed,
+    base: Snapshot | None = None,
+    max_nbytes: int | None = None,
+    device: Any = "cpu",
+    inplace: bool = False,
 ) -> Snapshot:
     """The snapshot an encoded version restores, verified end to end; ``base`` is required for a delta.
 
     The result's buffer is on ``device`` for a full version, on the base's device for a delta (a
-    CUDA buffer is decoded by the Triton kernels).
+    CUDA buffer is decoded by the Triton kernels). With ``inplace``, a delta is applied to
+    ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
+    as it was, since an XOR delta applied twice is undone (DESIGN.md I2).
     ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
     budget allows); the chunk count is checked against the manifest before anything is allocated.
 
@@ -261,12 +282,15 @@ def decode_snapshot(
         CodecError: a chunk is corrupted, missing, reordered or foreign; the base is missing or wrong;
             or the decoded buffer does not match the version's checksum.
     """
-    header = packed.header  # validates the chunk list: count, order, checksums
+    verify_chunks(packed.chunks)
+    header = packed.header
     if header["kind"] == "full":
         manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if max_nbytes is not None and manifest.nbytes > max_nbytes:
             raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {max_nbytes} allowed")
+        if inplace:
+            raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
         out = layout.alloc_buffer(manifest, device=device)
     else:
         if base is None:
@@ -282,12 +306,14 @@ def decode_snapshot(
             )
         manifest = base.manifest.with_scalars(header["scalars"])
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
-        out = base.buffer.detach().clone()
+        out = base.buffer.detach() if inplace else base.buffer.detach().clone()
     if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
         raise CodecError("the header's layout id or size does not match its manifest")
     _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
     got = buffer_checksum(out)
     if got != packed.checksum:
+        if inplace:
+            _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
         raise CodecError(
             f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
             "the chunks do not belong to this version or its base"
@@ -315,14 +341,16 @@ def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manif
 
         return kernels.encode_segments(buf, segs, base)
     host = buf.numpy()
-    if base is not None:
-        # uint64 words: 8x fewer elements than bytes (buffers are 64-byte aligned in size).
-        delta = np.empty(host.size, dtype=np.uint8)
-        np.bitwise_xor(host.view(np.uint64), base.numpy().view(np.uint64), out=delta.view(np.uint64))
-        host = delta
-    return [
-        planes.encode_segment(host[off : off + n * size], size, off) for off, n, size in segs
-    ]
+    base_host = None if base is None else base.numpy()
+
+    def encode_one(seg: tuple[int, int, int]) -> np.ndarray:
+        off, n, size = seg
+        d = host[off : off + n * size]
+        if base_host is not None:
+            d = np.bitwise_xor(d, base_host[off : off + n * size])
+        return planes.encode_segment(d, size, off)
+
+    return _map(encode_one, segs)
 
 
 def _check_segment_count(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int) -> None:
@@ -332,6 +360,7 @@ def _check_segment_count(chunks: Sequence[Chunk], manifest: Manifest, chunk_byte
 
 
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor) -> None:
+    """XORs every segment into ``out``; if one is malformed, the others are undone and CodecError raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
     if _use_kernels(out):
@@ -340,12 +369,29 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
         kernels.apply_segments(payloads, segs, out)
         return
     host = out.numpy()
-    for payload, (off, n, size) in zip(payloads, segs):
-        planes.apply_segment(payload, size, off, host[off : off + n * size])
+
+    def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
+        payload, (off, n, size) = item
+        try:
+            planes.apply_segment(payload, size, off, host[off : off + n * size])
+        except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
+            return e
+        return None
+
+    items = list(zip(payloads, segs))
+    errors = _map(apply, items)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        _map(apply, [item for item, e in zip(items, errors) if e is None])  # XOR again: undone
+        raise failed[0]
 
 
-def _parse_header(chunks: Sequence[Chunk]) -> dict:
-    """Validates the chunk list (count, order, checksums) and parses chunk 0, the JSON header."""
+def verify_chunks(chunks: Sequence[Chunk]) -> None:
+    """Checks a received chunk list: complete, in order, one version's, every checksum right.
+
+    Raises:
+        CodecError: naming the first chunk that is missing, out of place or corrupted.
+    """
     if not chunks:
         raise CodecError("empty chunk list: a version has at least its header chunk")
     count = chunks[0].count
@@ -354,9 +400,16 @@ def _parse_header(chunks: Sequence[Chunk]) -> dict:
     for i, c in enumerate(chunks):
         if c.index != i or c.count != count:
             raise CodecError(f"chunk {i} of {count} claims to be chunk {c.index} of {c.count}: reordered or foreign")
-        got = planes.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+    sums = _map(lambda c: planes.checksum(np.frombuffer(c.payload, dtype=np.uint8)), chunks)
+    for i, (c, got) in enumerate(zip(chunks, sums)):
         if got != c.checksum:
             raise CodecError(f"chunk {i} of {count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+
+
+def _parse_header(chunks: Sequence[Chunk]) -> dict:
+    """Parses and validates chunk 0, the JSON header (``verify_chunks`` checks the list itself)."""
+    if not chunks:
+        raise CodecError("empty chunk list: a version has at least its header chunk")
     if len(chunks[0].payload) > MAX_HEADER_BYTES:
         raise CodecError(f"header chunk of {len(chunks[0].payload)} bytes exceeds {MAX_HEADER_BYTES}")
     try:

@@ -7,13 +7,14 @@ NaN payloads count as differences; dtype, shape, device and container types must
 from __future__ import annotations
 
 import collections
-import math
 import random
 import struct
 from typing import Any
 
 import numpy as np
 import torch
+
+from ffstate.models import TinyGPT
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,29 +68,6 @@ def assert_bitwise_equal(got: Any, want: Any, path: str = "") -> None:
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-class TinyGPT(torch.nn.Module):
-    """A small GPT-style decoder (embeddings, pre-norm attention blocks, tied head) for tests and benchmarks."""
-
-    def __init__(self, vocab: int = 96, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32):
-        super().__init__()
-        self.seq = seq
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.pos = torch.nn.Parameter(torch.randn(seq, dim) * 0.02)
-        block = lambda: torch.nn.TransformerEncoderLayer(  # noqa: E731
-            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
-        )
-        self.blocks = torch.nn.ModuleList(block() for _ in range(layers))
-        self.norm = torch.nn.LayerNorm(dim)
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(seq)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for b in self.blocks:
-            x = b(x, src_mask=self.mask[: idx.shape[1], : idx.shape[1]], is_causal=True)
-        return self.norm(x) @ self.tok.weight.t()
-
-
 def train_states(steps: int, seed: int = 0, **model_kw: Any):
     """Trains TinyGPT with AdamW + a cosine schedule and yields the full training state after each step.
 
@@ -106,9 +84,7 @@ def train_states(steps: int, seed: int = 0, **model_kw: Any):
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, steps))
     vocab = model.tok.num_embeddings
     for step in range(steps):
-        idx = torch.randint(0, vocab, (8, model.seq + 1))
-        logits = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -124,7 +100,3 @@ def train_states(steps: int, seed: int = 0, **model_kw: Any):
                 "extra": {"step": step + 1, "loss": loss.item(), "loader": {"epoch": 0, "offset": (step + 1) * 8}},
             }
         )
-
-
-def is_nan_payload_preserved(a: float, b: float) -> bool:
-    return math.isnan(a) and struct.pack("<d", a) == struct.pack("<d", b)

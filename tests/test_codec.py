@@ -289,3 +289,28 @@ def test_full_version_larger_than_allowed_is_refused_before_allocating():
 def test_chunk_bytes_out_of_range_is_refused():
     with pytest.raises(CodecError, match="chunk_bytes"):
         codec.encode({"w": torch.zeros(4)}, chunk_bytes=10)
+
+
+def test_inplace_decode_applies_onto_the_base_and_leaves_it_intact_on_failure(pair):
+    s0, s1, d, s2 = pair
+    base = codec.pack(s0)
+    before = base.buffer.clone()
+    # A malformed segment in the middle: the segments before it were applied, and must be undone.
+    chunks = list(d.chunks)
+    bad = bytearray(chunks[-2].payload)
+    bad[:4] = b"XXXX"
+    chunks[-2] = Chunk.of(len(chunks) - 2, len(chunks), np.frombuffer(bytes(bad), dtype=np.uint8).copy())
+    with pytest.raises(CodecError, match="magic"):
+        codec.decode_snapshot(Packed(chunks), base, inplace=True)
+    assert torch.equal(base.buffer, before)
+    # Chunks of another version with the same base: well-formed, wrong content; caught by the version checksum.
+    other = codec.encode(s2, s0, chunk_bytes=64 << 10)
+    mixed = [d.chunks[0]] + list(other.chunks[1:])
+    with pytest.raises(CodecError, match="checksum"):
+        codec.decode_snapshot(Packed(mixed), base, inplace=True)
+    assert torch.equal(base.buffer, before)
+    got = codec.decode_snapshot(d, base, inplace=True)
+    assert got.buffer.data_ptr() == base.buffer.data_ptr()
+    assert_bitwise_equal(codec.unpack(got), s1)
+    with pytest.raises(CodecError, match="full version has no base"):
+        codec.decode_snapshot(codec.encode(s0), base, inplace=True)

@@ -1,0 +1,49 @@
+"""What every benchmark shares: timing by median of interleaved repeats, and writing results."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None
+                   ) -> dict[str, float]:
+    """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():  # warm-up: first-touch allocation, kernel compilation
+        fn()
+    sync()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def environment(device: str) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
+           "cpus": torch.get_num_threads(), "device": device}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def write_json(out_dir: Path, name: str, payload: dict) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
