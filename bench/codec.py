@@ -4,8 +4,9 @@ Trains TinyGPT with AdamW for a number of steps, then takes the last two states 
 one run and interleaved (medians over repeats):
 
 - pack (state -> flat buffer), encode (XOR delta + byte planes + checksums), decode (verify +
-  apply + checksum) and the checksum alone, each as throughput and as a ratio to a plain tensor
-  copy of the same bytes on the same device;
+  apply + checksum, into a new buffer), decode in place (onto the held base, as a replica
+  holder does) and the checksum alone, each as throughput and as a ratio to a plain tensor copy
+  of the same bytes on the same device;
 - the lossless delta's compression ratio per kind of tensor (params, exp_avg, exp_avg_sq) and
   overall, next to zlib level 1 on the same XOR bytes.
 
@@ -76,6 +77,9 @@ def compression(prev: dict, cur: dict) -> dict[str, dict]:
         zl = len(zlib.compress(xor.tobytes(), 1))
         out[kind] = {"raw_bytes": packed.raw_nbytes, "ffstate_bytes": packed.nbytes, "zlib1_bytes": zl,
                      "ffstate_ratio": packed.raw_nbytes / packed.nbytes, "zlib1_ratio": packed.raw_nbytes / zl}
+        if kind != "overall":  # all fp32: what fraction of each byte plane of the XOR is zero
+            planes = xor[: xor.size // 4 * 4].reshape(-1, 4)
+            out[kind]["zero_fraction_per_plane"] = [float((planes[:, p] == 0).mean()) for p in range(4)]
     return out
 
 
@@ -84,6 +88,14 @@ def throughput(prev: dict, cur: dict, repeats: int, device: str) -> dict[str, di
     slot = torch.empty_like(sb.buffer)
     dst = torch.empty_like(sb.buffer)
     packed = codec.encode_snapshot(sb, sa)
+    # In place, as a replica holder applies it: forward onto a copy of the base, then back again.
+    back = codec.encode_snapshot(sa, sb)
+    held = codec.Snapshot(sa.manifest, sa.buffer.clone(), sa.checksum)
+
+    def apply_forth_and_back() -> None:
+        s1 = codec.decode_snapshot(packed, held, inplace=True)
+        codec.decode_snapshot(back, s1, inplace=True)
+
     xor = np.bitwise_xor(sa.buffer.cpu().numpy(), sb.buffer.cpu().numpy()).tobytes()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     fns = {
@@ -92,9 +104,11 @@ def throughput(prev: dict, cur: dict, repeats: int, device: str) -> dict[str, di
         "checksum": lambda: codec.buffer_checksum(sb.buffer),
         "encode": lambda: codec.encode_snapshot(sb, sa),
         "decode": lambda: codec.decode_snapshot(packed, sa),
+        "decode in place": apply_forth_and_back,
     }
     secs = median_seconds(fns, repeats, sync)
-    secs["encode+decode"] = secs["encode"] + secs["decode"]
+    secs["decode in place"] /= 2  # two applies per call
+    secs["encode+decode in place"] = secs["encode"] + secs["decode in place"]
     secs["zlib1 (encode only)"] = median_seconds({"z": lambda: zlib.compress(xor, 1)}, max(1, repeats // 3))["z"]
     n = sb.manifest.nbytes
     return {k: {"seconds": s, "GBps": n / s / 1e9, "vs_copy": secs["copy"] / s} for k, s in secs.items()}
@@ -127,9 +141,10 @@ def report(result: dict) -> str:
     lines = [f"TinyGPT-{cfg['size']}: {cfg['params'] / 1e6:.2f}M params, {mb:.1f} MB of state, delta between "
              f"AdamW steps {cfg['steps'] - 1} and {cfg['steps']} (lr {cfg['lr']}), on {result['environment']['device']}",
              ""]
-    rows = [[k, f"{v['raw_bytes'] / 1e6:.2f}", f"{v['ffstate_ratio']:.3f}x", f"{v['zlib1_ratio']:.3f}x"]
+    rows = [[k, f"{v['raw_bytes'] / 1e6:.2f}", f"{v['ffstate_ratio']:.3f}x", f"{v['zlib1_ratio']:.3f}x",
+             " ".join(f"{z:.2f}" for z in v.get("zero_fraction_per_plane", []))]
             for k, v in result["compression"].items()]
-    lines.append(table(rows, ["lossless delta", "raw MB", "ffstate", "zlib-1 on XOR"]))
+    lines.append(table(rows, ["lossless delta", "raw MB", "ffstate", "zlib-1 on XOR", "zero bytes, planes 0-3"]))
     lines.append("")
     rows = [[k, f"{v['GBps']:.3f}", f"{v['vs_copy']:.3f}", f"{v['seconds'] * 1e3:.1f}"]
             for k, v in result["throughput"].items()]
@@ -155,7 +170,7 @@ def plot(result: dict, path: Path) -> Path | None:
     a.set_xticks(x, kinds)
     a.set_ylabel("compression ratio (raw / encoded)")
     a.axhline(1.0, color="grey", lw=0.5)
-    a.legend()
+    a.legend(loc="lower right")
     a.set_title("lossless delta, consecutive AdamW steps")
     ops = [k for k in thr if k != "copy"]
     b.barh(ops, [thr[k]["vs_copy"] for k in ops])
