@@ -3,7 +3,8 @@
 The public names live here; everything else is importable by its module path (``ffstate.codec``...).
 """
 
+from ffstate.config import Config
 from ffstate.errors import CodecError, FFStateError
 
-__all__ = ["CodecError", "FFStateError"]
+__all__ = ["CodecError", "Config", "FFStateError"]
 __version__ = "0.1.0"

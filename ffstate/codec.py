@@ -25,13 +25,12 @@ import numpy as np
 import torch
 
 from ffstate import layout, planes
+from ffstate.config import Config
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
 FORMAT = 1
-# 4 MiB chunks: large enough that per-chunk costs (a gRPC message, a checksum launch) are noise,
-# small enough to pipeline and to resend cheaply after a checksum failure.
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = Config.chunk_bytes
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
 # Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
 CHUNK_OVERHEAD = 16
@@ -48,8 +47,8 @@ def _map(fn, items):
     if len(items) < 2:
         return [fn(x) for x in items]
     if _POOL is None:
-        workers = int(os.environ.get("FFSTATE_CODEC_THREADS", min(8, os.cpu_count() or 1)))
-        _POOL = ThreadPoolExecutor(max(1, workers), thread_name_prefix="ffstate-codec")
+        workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
     return list(_POOL.map(fn, items))
 
 
@@ -124,9 +123,7 @@ class Packed:
 
 def _use_kernels(t: torch.Tensor) -> bool:
     """Triton for CUDA tensors; FFSTATE_KERNELS=triton forces it (CPU tensors need TRITON_INTERPRET=1)."""
-    choice = os.environ.get("FFSTATE_KERNELS", "auto")
-    if choice not in ("auto", "triton", "torch"):
-        raise ValueError(f"FFSTATE_KERNELS must be auto, triton or torch, not {choice!r}")
+    choice = Config.from_env().kernels
     return choice == "triton" or (choice == "auto" and t.is_cuda)
 
 

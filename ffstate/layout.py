@@ -118,19 +118,19 @@ class Manifest:
         """Parses and validates a manifest from untrusted bytes; raises CodecError when malformed."""
         try:
             obj = json.loads(bytes(data))
+            if len(obj["tensors"]) > MAX_TENSORS:
+                raise CodecError(f"manifest lists {len(obj['tensors'])} tensors, more than the limit {MAX_TENSORS}")
             specs = [_spec_from_json(row) for row in obj["tensors"]]
             tree, scalars = obj["tree"], tuple(obj["scalars"])
+            _check_tree(tree, len(specs), len(scalars))
+            manifest = build_manifest(tree, specs, scalars)
         except CodecError:
             raise
-        except (ValueError, KeyError, TypeError, IndexError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as e:
             raise CodecError(f"malformed manifest: {e!r}") from e
-        if len(specs) > MAX_TENSORS:
-            raise CodecError(f"manifest lists {len(specs)} tensors, more than the limit {MAX_TENSORS}")
-        manifest = build_manifest(tree, specs, scalars)
         for got, want in zip(specs, manifest.tensors):
             if got.offset != want.offset:
                 raise CodecError(f"manifest places {got.name!r} at byte {got.offset}, its layout says {want.offset}")
-        _check_tree(tree, len(specs), len(scalars))
         return manifest
 
     def with_scalars(self, scalars: Sequence[Any]) -> "Manifest":
@@ -173,7 +173,7 @@ def _check_tree(node: Any, n_tensors: int, n_scalars: int) -> None:
                 stack.append(node["m"])
         elif "l" in node or "t" in node:
             stack.extend(node.get("l", node.get("t")))
-        elif "z" not in node:
+        elif "z" not in node or not all(isinstance(d, int) and d >= 0 for d in node["z"]):
             raise CodecError(f"malformed manifest tree node {str(node)[:80]!r}")
 
 

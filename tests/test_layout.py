@@ -134,3 +134,14 @@ def test_map_location_moves_tensors():
     state = {"w": torch.randn(4)}
     got = codec.unpack(codec.pack(state), map_location="meta")
     assert got["w"].device.type == "meta"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"[]", b"{}", b'{"tree": {"d": [1]}, "tensors": [], "scalars": []}', b'{"tree": {"z": ["x"]}, "tensors": [], "scalars": []}',
+     b"[" * 100_000, b"\xff"],
+    ids=["list", "empty", "bad-pairs", "bad-size", "deep", "not-utf8"],
+)
+def test_garbage_manifest_bytes_raise_codec_error(text):
+    with pytest.raises(CodecError):
+        layout.Manifest.from_json(text)
