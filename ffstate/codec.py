@@ -18,7 +18,6 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Sequence
 
 import numpy as np

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ffstate.errors import CodecError
 from ffstate.kernels._launch import block
-from ffstate.planes import MAGIC, PLANE, RAW, SEGMENT, SPARSE, ZERO, parse_segment, plane_cost
+from ffstate.planes import MAGIC, PLANE, SEGMENT, SPARSE, ZERO, parse_segment, plane_cost
 
 
 @triton.jit
