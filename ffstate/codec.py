@@ -317,6 +317,34 @@ def decode_snapshot(
     return Snapshot(manifest, out, got)
 
 
+def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
+    """Steps ``snapshot`` (the version a delta produced) back to the delta's base, in place.
+
+    XOR deltas are their own inverse, so a replica keeps its last deltas instead of old copies
+    (DESIGN.md I3). The delta carries only the new version's scalars: ``base_scalars`` are the
+    base's. On any failure the buffer is left as it was.
+
+    Raises:
+        CodecError: ``packed`` is not a delta that produced ``snapshot``.
+    """
+    verify_chunks(packed.chunks)
+    header = packed.header
+    if header["kind"] != "delta":
+        raise CodecError("only a delta can be reverted")
+    if header["layout_id"] != snapshot.manifest.layout_id or snapshot.checksum != packed.checksum:
+        raise CodecError(f"this delta produced the snapshot with checksum {header['checksum']}, "
+                         f"not the given one ({snapshot.checksum:016x})")
+    manifest = snapshot.manifest.with_scalars(base_scalars)
+    _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+    out = snapshot.buffer
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    got = buffer_checksum(out)
+    if got != packed.base_checksum:
+        _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
+        raise CodecError(f"reverting gave checksum {got:016x}, the delta's base has {header['base_checksum']}")
+    return Snapshot(manifest, out, got)
+
+
 def segments(manifest: Manifest, chunk_bytes: int) -> list[tuple[int, int, int]]:
     """(byte offset, element count, itemsize) of every segment, in chunk order."""
     out = []

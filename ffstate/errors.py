@@ -12,3 +12,25 @@ class CodecError(FFStateError):
 
     Raised instead of ever returning a wrong state (DESIGN.md I1, I2, I6).
     """
+
+
+class ReplicaError(FFStateError):
+    """A replica daemon refused or could not serve a request.
+
+    ``code`` is the gRPC status name the daemon answers with (``INVALID_ARGUMENT``,
+    ``FAILED_PRECONDITION``, ``DATA_LOSS``, ``RESOURCE_EXHAUSTED``, ``NOT_FOUND``,
+    ``UNAUTHENTICATED``...).
+    """
+
+    code = "UNKNOWN"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ReplicaUnavailable(ReplicaError):
+    """No daemon answered at that address (down, unreachable, or past the deadline) after the retries."""
+
+    code = "UNAVAILABLE"

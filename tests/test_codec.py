@@ -314,3 +314,15 @@ def test_inplace_decode_applies_onto_the_base_and_leaves_it_intact_on_failure(pa
     assert_bitwise_equal(codec.unpack(got), s1)
     with pytest.raises(CodecError, match="full version has no base"):
         codec.decode_snapshot(codec.encode(s0), base, inplace=True)
+
+
+def test_revert_steps_a_snapshot_back_through_its_deltas_bitwise():
+    states = list(train_states(4))
+    snaps = [codec.pack(s) for s in states]
+    deltas = [codec.encode_snapshot(b, a) for a, b in zip(snaps, snaps[1:])]
+    held = codec.Snapshot(snaps[-1].manifest, snaps[-1].buffer.clone(), snaps[-1].checksum)
+    for i in range(len(deltas) - 1, -1, -1):
+        held = codec.revert_snapshot(deltas[i], held, snaps[i].manifest.scalars)
+        assert_bitwise_equal(codec.unpack(held), states[i])
+    with pytest.raises(CodecError, match="not the given one"):
+        codec.revert_snapshot(deltas[1], held, snaps[0].manifest.scalars)

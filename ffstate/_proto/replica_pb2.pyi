@@ -1,0 +1,185 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardKey(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("shard", "manifest_json", "scalars_capacity")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    SCALARS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    manifest_json: bytes
+    scalars_capacity: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("slot_paths", "slot_bytes", "node_id", "committed_version")
+    SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    slot_paths: _containers.RepeatedScalarFieldContainer[str]
+    slot_bytes: int
+    node_id: str
+    committed_version: int
+    def __init__(self, slot_paths: _Optional[_Iterable[str]] = ..., slot_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., committed_version: _Optional[int] = ...) -> None: ...
+
+class CommitNotice(_message.Message):
+    __slots__ = ("shard", "version")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CommitNoticeAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("shard", "version", "base_version", "chunk_index", "chunk_count", "checksum", "payload")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    base_version: int
+    chunk_index: int
+    chunk_count: int
+    checksum: int
+    payload: bytes
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class PushResult(_message.Message):
+    __slots__ = ("staged_version", "bytes_received")
+    STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    staged_version: int
+    bytes_received: int
+    def __init__(self, staged_version: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("shard", "version")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CommitResult(_message.Message):
+    __slots__ = ("version", "checksum")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checksum: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("shard", "version", "first_chunk", "chunk_step")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_STEP_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    first_chunk: int
+    chunk_step: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., first_chunk: _Optional[int] = ..., chunk_step: _Optional[int] = ...) -> None: ...
+
+class FetchChunk(_message.Message):
+    __slots__ = ("version", "chunk_index", "chunk_count", "checksum", "payload")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    chunk_index: int
+    chunk_count: int
+    checksum: int
+    payload: bytes
+    def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class InventoryRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class ShardInfo(_message.Message):
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_UPDATE_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    local: bool
+    version: int
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    bytes: int
+    last_update_unix: float
+    source: str
+    replicated_version: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ...) -> None: ...
+
+class InventoryResponse(_message.Message):
+    __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
+    bytes_used: int
+    bytes_budget: int
+    def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ...) -> None: ...
+
+class StepBackRequest(_message.Message):
+    __slots__ = ("shard", "version")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class StepBackResult(_message.Message):
+    __slots__ = ("version", "checksum")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    checksum: int
+    def __init__(self, version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("shard",)
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+
+class DropResult(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: int
+    def __init__(self, dropped: _Optional[int] = ...) -> None: ...

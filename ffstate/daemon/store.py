@@ -1,0 +1,360 @@
+"""The replica store: per job and shard, the applied version, the staged next version, and the last
+W applied deltas, under a memory budget that is never exceeded.
+
+A pushed version is staged chunk by chunk (each checksum verified) and becomes the held version
+only at commit, when the whole version's checksum matches (DESIGN.md I2): a push that breaks off,
+or a commit that fails, leaves the replica exactly at its previous version. XOR deltas are their
+own inverse, so the kept deltas step a replica back without a second copy (I3). Every byte held is
+reserved against the budget before it is allocated; a request that would exceed it is refused
+(I5). Errors are ``ReplicaError`` with the gRPC status name the servicer answers with; this module
+never sees protobuf types.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from ffstate import codec, planes
+from ffstate.codec import Chunk, Packed, Snapshot
+from ffstate.errors import CodecError, ReplicaError
+from ffstate.shm import check_id
+
+log = logging.getLogger("ffstate.daemon.store")
+
+MAX_CHUNKS = 1 << 20
+
+
+@dataclass(frozen=True, order=True)
+class ShardKey:
+    """One rank's state in one job; validated on construction."""
+
+    job_id: str
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        try:
+            check_id(self.job_id, "job id")
+        except Exception as e:
+            raise ReplicaError(str(e), "INVALID_ARGUMENT") from None
+        if not 0 < self.world_size <= 1 << 20 or not 0 <= self.rank < self.world_size:
+            raise ReplicaError(f"rank {self.rank} of world size {self.world_size} is not a shard", "INVALID_ARGUMENT")
+
+    def __str__(self) -> str:
+        return f"{self.job_id}/rank {self.rank} of {self.world_size}"
+
+
+@dataclass
+class Delta:
+    """An applied delta, kept for step-back: it produced ``version`` from ``version_before``."""
+
+    version: int
+    version_before: int
+    packed: Packed
+    scalars_before: tuple
+
+
+@dataclass
+class Replica:
+    key: ShardKey
+    snapshot: Snapshot
+    version: int
+    source: str
+    updated: float
+    history: collections.deque = field(default_factory=collections.deque)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return self.snapshot.buffer.numel() + sum(d.packed.nbytes for d in self.history)
+
+    @property
+    def versions(self) -> list[int]:
+        return [self.version] + [d.version_before for d in reversed(self.history)]
+
+
+@dataclass
+class Staging:
+    key: ShardKey
+    version: int
+    base_version: int
+    packed: Packed
+    reserved: int
+    source: str
+
+
+@dataclass(frozen=True)
+class IncomingChunk:
+    """A pushed chunk as the servicer hands it over (plain values, not protobuf)."""
+
+    key: ShardKey
+    version: int
+    base_version: int
+    index: int
+    count: int
+    checksum: int
+    payload: bytes
+
+
+class Store:
+    """What one daemon holds of other nodes' ranks. Thread-safe."""
+
+    def __init__(self, budget_bytes: int, keep_deltas: int = 4, max_chunk_bytes: int = 64 << 20):
+        self.budget = budget_bytes
+        self.keep_deltas = keep_deltas
+        self.max_chunk_bytes = max_chunk_bytes
+        self._used = 0
+        self._lock = threading.Lock()
+        self._replicas: dict[ShardKey, Replica] = {}
+        self._staged: dict[ShardKey, Staging] = {}
+
+    # ------------------------------------------------------------ budget
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Counts ``nbytes`` against the budget, or raises RESOURCE_EXHAUSTED without counting anything."""
+        with self._lock:
+            if self._used + nbytes > self.budget:
+                raise ReplicaError(
+                    f"{what} needs {nbytes} more bytes; this daemon holds {self._used} of its {self.budget}-byte "
+                    "memory budget (raise --memory-limit, or drop old jobs)", "RESOURCE_EXHAUSTED")
+            self._used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    # ------------------------------------------------------------ push and commit
+
+    def stage(self, chunks: Iterable[IncomingChunk], source: str) -> tuple[ShardKey, int, int]:
+        """Receives one version's chunks, in order, and stages it. Returns (shard, version, payload bytes).
+
+        Nothing held changes; on any error (or a stream that ends early) the staging is discarded.
+        """
+        it = iter(chunks)
+        reserved = 0
+        received: list[Chunk] = []
+        first: IncomingChunk | None = None
+        try:
+            for c in it:
+                if first is None:
+                    first = self._check_first(c)
+                self._check_next(first, c, len(received))
+                self.reserve(len(c.payload), f"chunk {c.index} of {c.key} version {c.version}")
+                reserved += len(c.payload)
+                chunk = Chunk(c.index, c.count, c.checksum, memoryview(c.payload))
+                _verify_one(chunk)
+                received.append(chunk)
+                if c.index == 0:
+                    reserved += self._check_header(first, Packed([chunk]))
+            if first is None:
+                raise ReplicaError("empty push: no chunk arrived", "INVALID_ARGUMENT")
+            if len(received) != first.count:
+                raise ReplicaError(f"push of {first.key} version {first.version} ended after {len(received)} of "
+                                   f"{first.count} chunks", "INVALID_ARGUMENT")
+        except BaseException:
+            self.release(reserved)
+            raise
+        staging = Staging(first.key, first.version, first.base_version, Packed(received), reserved, source)
+        with self._lock:
+            old = self._staged.pop(first.key, None)
+            self._staged[first.key] = staging
+        if old is not None:
+            self.release(old.reserved)
+        return first.key, first.version, sum(len(c.payload) for c in received)
+
+    def _check_first(self, c: IncomingChunk) -> IncomingChunk:
+        if c.version <= 0:
+            raise ReplicaError(f"version must be > 0, got {c.version}", "INVALID_ARGUMENT")
+        if not 0 < c.count <= MAX_CHUNKS:
+            raise ReplicaError(f"chunk count {c.count} is out of range (1..{MAX_CHUNKS})", "INVALID_ARGUMENT")
+        if c.base_version:
+            with self._lock:
+                held = self._replicas.get(c.key)
+            if held is None:
+                raise ReplicaError(f"version gap: {c.key} version {c.version} is a delta against version "
+                                   f"{c.base_version}, and nothing is held here; push a full version",
+                                   "FAILED_PRECONDITION")
+            if held.version != c.base_version:
+                raise ReplicaError(f"version gap: {c.key} version {c.version} is a delta against version "
+                                   f"{c.base_version}, this daemon holds version {held.version}",
+                                   "FAILED_PRECONDITION")
+            if c.version <= c.base_version:
+                raise ReplicaError(f"a delta must move forward: version {c.version} on base {c.base_version}",
+                                   "INVALID_ARGUMENT")
+        return c
+
+    def _check_next(self, first: IncomingChunk, c: IncomingChunk, expected: int) -> None:
+        if (c.key, c.version, c.base_version, c.count) != (first.key, first.version, first.base_version, first.count):
+            raise ReplicaError(f"chunk {c.index} belongs to {c.key} version {c.version} (base {c.base_version}, "
+                               f"{c.count} chunks), the stream started {first.key} version {first.version} "
+                               f"(base {first.base_version}, {first.count} chunks)", "INVALID_ARGUMENT")
+        if c.index < expected:
+            raise ReplicaError(f"duplicate chunk {c.index} (expected chunk {expected})", "INVALID_ARGUMENT")
+        if c.index != expected:
+            raise ReplicaError(f"chunk {c.index} out of order: expected chunk {expected}", "INVALID_ARGUMENT")
+        if len(c.payload) > self.max_chunk_bytes:
+            raise ReplicaError(f"chunk {c.index} has {len(c.payload)} bytes, more than the limit "
+                               f"{self.max_chunk_bytes}", "RESOURCE_EXHAUSTED")
+
+    def _check_header(self, first: IncomingChunk, head: Packed) -> int:
+        """Validates chunk 0 against what is held; returns the bytes reserved for a full version's buffer."""
+        try:
+            header = head.header
+        except CodecError as e:
+            raise ReplicaError(f"malformed header chunk: {e}", "INVALID_ARGUMENT") from None
+        if (header["kind"] == "full") != (first.base_version == 0):
+            raise ReplicaError(f"header says {header['kind']} but base_version is {first.base_version}",
+                               "INVALID_ARGUMENT")
+        if header["kind"] == "full":
+            self.reserve(int(header["nbytes"]), f"full version {first.version} of {first.key}")
+            return int(header["nbytes"])
+        with self._lock:
+            held = self._replicas.get(first.key)
+        assert held is not None  # checked by _check_first
+        if header["layout_id"] != held.snapshot.manifest.layout_id:
+            raise ReplicaError(f"the delta is for layout {header['layout_id']}, {first.key} here has layout "
+                               f"{held.snapshot.manifest.layout_id}: the model changed; push a full version",
+                               "FAILED_PRECONDITION")
+        if int(header["base_checksum"], 16) != held.snapshot.checksum:
+            raise ReplicaError(f"wrong base: the delta applies to checksum {header['base_checksum']}, version "
+                               f"{held.version} here has {held.snapshot.checksum:016x}", "FAILED_PRECONDITION")
+        return 0
+
+    def commit(self, key: ShardKey, version: int) -> tuple[int, int]:
+        """Applies the staged version; returns (version, checksum). Nothing changes on failure."""
+        with self._lock:
+            staging = self._staged.get(key)
+            if staging is None or staging.version != version:
+                have = "nothing" if staging is None else f"version {staging.version}"
+                raise ReplicaError(f"cannot commit {key} version {version}: {have} is staged", "FAILED_PRECONDITION")
+            del self._staged[key]
+            held = self._replicas.get(key)
+        try:
+            if staging.base_version == 0:
+                return self._commit_full(staging, held)
+            return self._commit_delta(staging, held)
+        except CodecError as e:
+            self.release(staging.reserved)
+            raise ReplicaError(f"version {version} of {key} failed verification and was discarded: {e}",
+                               "DATA_LOSS") from None
+
+    def _commit_full(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
+        snap = codec.decode_snapshot(staging.packed, max_nbytes=staging.reserved)
+        new = Replica(staging.key, snap, staging.version, staging.source, time.time())
+        with self._lock:
+            self._replicas[staging.key] = new
+        # The buffer stays reserved (it is now held); the chunks are freed; so is the old replica.
+        self.release(staging.reserved - snap.buffer.numel() + (held.nbytes if held else 0))
+        log.info("committed full version %d of %s from %s (%d bytes)", staging.version, staging.key,
+                 staging.source, snap.buffer.numel())
+        return new.version, snap.checksum
+
+    def _commit_delta(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
+        if held is None or held.version != staging.base_version:
+            raise ReplicaError(f"{staging.key} moved on while version {staging.version} was staged",
+                               "FAILED_PRECONDITION")
+        with held.lock:
+            before = held.snapshot.manifest.scalars
+            held.snapshot = codec.decode_snapshot(staging.packed, held.snapshot, inplace=True)
+            held.history.append(Delta(staging.version, held.version, staging.packed, before))
+            held.version, held.source, held.updated = staging.version, staging.source, time.time()
+            freed = 0
+            while len(held.history) > self.keep_deltas:
+                freed += held.history.popleft().packed.nbytes
+        # The staged chunks are now the kept delta: their reservation carries over.
+        self.release(freed + staging.reserved - staging.packed.nbytes)
+        log.info("committed version %d of %s from %s (delta of %d bytes on version %d)", staging.version,
+                 staging.key, staging.source, staging.packed.nbytes, staging.base_version)
+        return held.version, held.snapshot.checksum
+
+    # ------------------------------------------------------------ serving
+
+    def _get(self, key: ShardKey) -> Replica:
+        with self._lock:
+            held = self._replicas.get(key)
+        if held is None:
+            raise ReplicaError(f"no replica of {key} is held here", "NOT_FOUND")
+        return held
+
+    def fetch(self, key: ShardKey, version: int = 0) -> Packed:
+        """A full encoding of ``key`` at ``version`` (0: the newest), stepping a copy back if needed.
+
+        The caller reserves the encoding's size (at most the snapshot's) while it streams it.
+        """
+        held = self._get(key)
+        with held.lock:
+            if version in (0, held.version):
+                return codec.encode_snapshot(held.snapshot)
+            if version not in held.versions:
+                raise ReplicaError(f"{key} version {version} is not held here (held: {held.versions})", "NOT_FOUND")
+            size = held.snapshot.buffer.numel()
+            self.reserve(size, f"a copy of {key} stepped back to version {version}")
+            try:
+                snap = Snapshot(held.snapshot.manifest, held.snapshot.buffer.clone(), held.snapshot.checksum)
+                for d in reversed(held.history):
+                    if d.version <= version:
+                        break
+                    snap = codec.revert_snapshot(d.packed, snap, d.scalars_before)
+                return codec.encode_snapshot(snap)
+            finally:
+                self.release(size)
+
+    def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
+        """Reverts the replica in place to ``version``, dropping the newer deltas."""
+        held = self._get(key)
+        with held.lock:
+            if version not in held.versions:
+                raise ReplicaError(f"cannot step {key} back to version {version}: it can go back to "
+                                   f"{held.versions}", "NOT_FOUND")
+            freed = 0
+            while held.version != version:
+                d = held.history[-1]
+                held.snapshot = codec.revert_snapshot(d.packed, held.snapshot, d.scalars_before)
+                held.history.pop()
+                held.version = d.version_before
+                freed += d.packed.nbytes
+            held.updated = time.time()
+        self.release(freed)
+        log.info("stepped %s back to version %d", key, version)
+        return held.version, held.snapshot.checksum
+
+    def drop(self, job_id: str, rank: int | None = None) -> int:
+        with self._lock:
+            keys = [k for k in set(self._replicas) | set(self._staged)
+                    if k.job_id == job_id and (rank is None or k.rank == rank)]
+            gone = [self._replicas.pop(k, None) for k in keys]
+            staged = [self._staged.pop(k, None) for k in keys]
+        self.release(sum(r.nbytes for r in gone if r) + sum(s.reserved for s in staged if s))
+        if keys:
+            log.info("dropped %d shard(s) of job %s", len(keys), job_id)
+        return len(keys)
+
+    def inventory(self, job_id: str = "") -> list[dict[str, Any]]:
+        with self._lock:
+            replicas = [r for k, r in sorted(self._replicas.items()) if not job_id or k.job_id == job_id]
+        return [{"key": r.key, "version": r.version, "versions": r.versions, "bytes": r.nbytes,
+                 "updated": r.updated, "source": r.source} for r in replicas]
+
+    def held_version(self, key: ShardKey) -> int:
+        with self._lock:
+            r = self._replicas.get(key)
+        return r.version if r else 0
+
+
+def _verify_one(chunk: Chunk) -> None:
+    """The checksum of one chunk, as it arrives (the list as a whole is checked again at commit)."""
+    got = planes.checksum(np.frombuffer(chunk.payload, dtype=np.uint8))
+    if got != chunk.checksum:
+        raise ReplicaError(f"chunk {chunk.index} of {chunk.count} is corrupted: checksum {got:016x}, expected "
+                           f"{chunk.checksum:016x}", "DATA_LOSS")

@@ -1,0 +1,227 @@
+"""Shared-memory snapshot slots between a worker and its node's daemon (DESIGN.md section 4, I2).
+
+The daemon creates two slot files per local rank under /dev/shm (a double buffer) and owns them, so
+a snapshot outlives the worker that wrote it. A slot is a page of header, an area for the state's
+scalars (JSON), and the packed state's bytes. The worker writes the older slot and publishes it
+with a seqlock: the sequence number is odd while the slot is being written and even once its
+version, checksum and scalars are in place. A reader takes a slot only when its sequence number
+is even and unchanged across the read, so a worker killed mid-write leaves that slot unreadable
+and the other slot (the previous version) intact.
+
+Stores land in program order on x86-64 (TSO); the header is written last and read first.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ffstate import codec
+from ffstate.errors import FFStateError
+from ffstate.layout import Manifest
+
+SHM_DIR = Path(os.environ.get("FFSTATE_SHM_DIR", "/dev/shm"))
+MAGIC = b"FFSLOT01"
+PAGE = 4096
+# magic, seq, version, checksum, scalars length, data bytes, scalars capacity, commit time (ns), layout id
+HEADER = struct.Struct("<8sQQQQQQQ32s")
+SEQ_OFFSET = 8
+DEFAULT_SCALARS_CAPACITY = 1 << 20
+ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+class SlotError(FFStateError):
+    """A slot is missing, of another layout, or used wrongly (e.g. a non-increasing version)."""
+
+
+def check_id(value: str, what: str) -> str:
+    if not ID_RE.match(value):
+        raise SlotError(f"{what} {value!r} is not valid: use 1-128 letters, digits, '.', '_' or '-'")
+    return value
+
+
+def _round_up(n: int, to: int = PAGE) -> int:
+    return (n + to - 1) // to * to
+
+
+def slot_size(manifest: Manifest, scalars_capacity: int) -> int:
+    return PAGE + _round_up(scalars_capacity) + _round_up(manifest.nbytes)
+
+
+def slot_paths(node_id: str, job_id: str, rank: int, world_size: int) -> list[Path]:
+    base = f"ffstate-{check_id(node_id, 'node id')}-{check_id(job_id, 'job id')}-r{rank}of{world_size}"
+    return [SHM_DIR / f"{base}-{k}" for k in range(2)]
+
+
+def create_slots(paths: list[Path], manifest: Manifest, scalars_capacity: int) -> None:
+    """Creates the slot files (zero-filled, so padding is zero), header written, nothing committed."""
+    size = slot_size(manifest, scalars_capacity)
+    for path in paths:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            os.pwrite(fd, HEADER.pack(MAGIC, 0, 0, 0, 0, manifest.nbytes, scalars_capacity, 0,
+                                      manifest.layout_id.encode()), 0)
+        finally:
+            os.close(fd)
+
+
+def remove_slots(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A committed slot as read: valid while ``Slots.unchanged(view)`` says so."""
+
+    index: int
+    seq: int
+    version: int
+    checksum: int
+    scalars: list
+    data: torch.Tensor  # uint8 view of the slot's bytes, no copy
+    commit_time_ns: int
+
+
+class Slots:
+    """The two slots of one rank, mapped into this process (worker or daemon)."""
+
+    def __init__(self, paths: list[Path], manifest: Manifest):
+        self.paths = [Path(p) for p in paths]
+        self.manifest = manifest
+        self._maps: list[mmap.mmap] = []
+        self.data: list[torch.Tensor] = []
+        for path in self.paths:
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError as e:
+                raise SlotError(f"slot {path} does not exist: is the node's ffstate daemon running?") from e
+            try:
+                size = os.fstat(fd).st_size
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            magic, _, _, _, _, nbytes, cap, _, layout_id = HEADER.unpack_from(mm, 0)
+            if magic != MAGIC or nbytes != manifest.nbytes or layout_id.decode() != manifest.layout_id:
+                mm.close()
+                raise SlotError(f"slot {path} holds another layout ({layout_id.decode()!r}, {nbytes} bytes); "
+                                f"this state is {manifest.layout_id!r}, {manifest.nbytes} bytes")
+            self._maps.append(mm)
+            self.scalars_capacity = cap
+            start = PAGE + _round_up(cap)
+            self.data.append(torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=manifest.nbytes)
+                             if manifest.nbytes else torch.empty(0, dtype=torch.uint8))
+
+    def close(self) -> None:
+        self.data.clear()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a tensor view is still alive somewhere; the mapping goes with the process
+                pass
+        self._maps.clear()
+
+    # ------------------------------------------------------------ header access
+
+    def _header(self, k: int) -> tuple:
+        return HEADER.unpack_from(self._maps[k], 0)
+
+    def _seq(self, k: int) -> int:
+        return struct.unpack_from("<Q", self._maps[k], SEQ_OFFSET)[0]
+
+    def _set_seq(self, k: int, seq: int) -> None:
+        struct.pack_into("<Q", self._maps[k], SEQ_OFFSET, seq)
+
+    def committed(self) -> list[tuple[int, int]]:
+        """(version, slot) of each committed slot, newest first."""
+        out = []
+        for k in range(len(self._maps)):
+            _, seq, version, *_ = self._header(k)
+            if seq and seq % 2 == 0:
+                out.append((version, k))
+        return sorted(out, reverse=True)
+
+    # ------------------------------------------------------------ worker side
+
+    def commit(self, state: Any, version: int) -> int:
+        """Packs ``state`` into the older slot and publishes it as ``version``; returns its checksum.
+
+        Once this returns, the snapshot survives this process's death.
+
+        Raises:
+            SlotError: ``version`` is not newer than the newest committed one.
+            CodecError: the state's layout is not the one the slots were made for.
+        """
+        done = self.committed()
+        if done and version <= done[0][0]:
+            raise SlotError(f"commit of version {version}, but version {done[0][0]} is already committed: "
+                            "versions (training steps) must increase")
+        k = 1 - done[0][1] if done else 0
+        seq = self._seq(k)
+        self._set_seq(k, seq + 1 if seq % 2 == 0 else seq + 2)  # odd: being written
+        snap = codec.pack_into(state, self.data[k], self.manifest)
+        scalars = json.dumps(list(snap.manifest.scalars), separators=(",", ":")).encode()
+        if len(scalars) > self.scalars_capacity:
+            raise SlotError(f"the state's scalars take {len(scalars)} bytes of JSON, the slot has room for "
+                            f"{self.scalars_capacity}; attach with a larger scalars_capacity")
+        mm = self._maps[k]
+        start = PAGE
+        mm[start : start + len(scalars)] = scalars
+        magic, seq_odd, _, _, _, nbytes, cap, _, lid = self._header(k)
+        HEADER.pack_into(mm, 0, magic, seq_odd, version, snap.checksum, len(scalars), nbytes, cap,
+                         time.time_ns(), lid)
+        self._set_seq(k, seq_odd + 1)  # even: committed
+        return snap.checksum
+
+    # ------------------------------------------------------------ daemon side
+
+    def latest(self) -> SlotView | None:
+        """The newest committed slot, or None. Check ``unchanged(view)`` after using its data."""
+        for version, k in self.committed():
+            _, seq, version, checksum, slen, _, _, t_ns, _ = self._header(k)
+            if seq % 2:
+                continue
+            raw = bytes(self._maps[k][PAGE : PAGE + slen])
+            if self._seq(k) != seq:
+                continue
+            try:
+                scalars = json.loads(raw)
+            except ValueError:
+                continue
+            return SlotView(k, seq, version, checksum, scalars, self.data[k], t_ns)
+        return None
+
+    def unchanged(self, view: SlotView) -> bool:
+        """True while the worker has not started rewriting the slot ``view`` came from."""
+        return self._seq(view.index) == view.seq
+
+    def snapshot(self, view: SlotView) -> codec.Snapshot:
+        """The slot's contents as a codec snapshot (no copy; valid while ``unchanged(view)``)."""
+        return codec.Snapshot(self.manifest.with_scalars(view.scalars), view.data, view.checksum)
+
+    def copy_latest(self) -> codec.Snapshot | None:
+        """A verified private copy of the newest committed slot (None if there is none).
+
+        Retries when the worker rewrites the slot during the copy (newest wins).
+        """
+        for _ in range(100):
+            view = self.latest()
+            if view is None:
+                return None
+            buf = view.data.clone()
+            if self.unchanged(view) and codec.buffer_checksum(buf) == view.checksum:
+                return codec.Snapshot(self.manifest.with_scalars(view.scalars), buf, view.checksum)
+        raise SlotError(f"could not read a stable copy of {self.paths}: the writer keeps rewriting them")
