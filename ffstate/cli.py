@@ -1,17 +1,136 @@
-"""The ``ffstate`` command line. Today: ``ffstate bench codec``; serve, status and demo arrive with the
-daemon and trainer (see the README's roadmap)."""
+"""The ``ffstate`` command line: ``serve`` (the replica daemon), ``status`` (what daemons hold), ``bench``.
+
+``demo`` arrives with the trainer (see the README's status table).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import re
 import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("ffstate.cli")
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5G' or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def read_token(path: Path | None) -> str:
+    """The job token: from --token-file, else $FFSTATE_TOKEN; never empty."""
+    token = path.read_text().strip() if path else os.environ.get("FFSTATE_TOKEN", "")
+    if not token:
+        raise SystemExit("ffstate: no token: pass --token-file FILE or set FFSTATE_TOKEN (every RPC carries the job's "
+                         "token; generate one with e.g. `python -c 'import secrets; print(secrets.token_hex(16))'`)")
+    return token
+
+
+def _tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-cert", type=Path, help="this daemon's certificate (PEM); enables TLS")
+    p.add_argument("--tls-key", type=Path, help="its private key (PEM)")
+    p.add_argument("--tls-ca", type=Path, help="CA that signed the other daemons' certificates (to push to them)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ffstate.daemon.server import ServeConfig, serve
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise SystemExit("ffstate serve: --tls-cert and --tls-key go together")
+    cfg = ServeConfig(host=args.host, port=args.port, node_id=args.node_id or ServeConfig().node_id, peers=args.peer,
+                      memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
+                      tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
+                      idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes)
+
+    def ready(port: int) -> None:
+        print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
+
+    return serve(cfg, ready)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ffstate.client import Client, Tls
+    from ffstate.errors import ReplicaError
+
+    token = read_token(args.token_file)
+    tls = Tls(args.tls_ca) if args.tls_ca else None
+    table = Table(title="ffstate replicas")
+    for col in ("daemon", "node", "job", "rank", "kind", "version", "versions", "MB", "last update", "lag", "source"):
+        table.add_column(col, justify="right" if col in ("rank", "version", "MB", "lag") else "left")
+    rows, owners, failed = [], {}, 0
+    for address in args.daemon:
+        try:
+            with Client(address, token, tls=tls, timeout=args.timeout, retries=1) as c:
+                inv = c.inventory(args.job or "")
+        except ReplicaError as e:
+            table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", str(e)[:60])
+            failed += 1
+            continue
+        for s in inv.shards:
+            key = (s.shard.job_id, s.shard.rank, s.shard.world_size)
+            if s.local:
+                owners[key] = s.version
+            rows.append((address, inv, s, key))
+        table.caption = None
+    now = time.time()
+    for address, inv, s, key in rows:
+        if s.local:
+            lag = str(s.version - s.replicated_version) if s.version else "-"
+        else:
+            lag = str(owners[key] - s.version) if key in owners else "?"
+        age = f"{now - s.last_update_unix:.1f}s ago" if s.last_update_unix else "-"
+        table.add_row(address, inv.node_id, key[0], f"{key[1]}/{key[2]}", "local" if s.local else "replica",
+                      str(s.version), ",".join(map(str, s.versions)), f"{s.bytes / 1e6:.1f}", age, lag, s.source)
+    Console().print(table)
+    for address, inv, *_ in {r[0]: r for r in rows}.values():
+        print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
+    return 1 if failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ffstate", description="Bit-exact in-memory replication of training state.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run this node's replica daemon")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed on stdout)")
+    p.add_argument("--node-id", default="", help="this node's name (default: the host name)")
+    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                   help="a daemon on another node that holds this node's replicas (repeatable)")
+    p.add_argument("--memory-limit", type=parse_bytes, default=0,
+                   help="memory budget for slots, replicas and staging, e.g. 8G (default: a quarter of RAM)")
+    p.add_argument("--token-file", type=Path, help="file holding the job token (default: $FFSTATE_TOKEN)")
+    _tls_args(p)
+    p.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)")
+    p.add_argument("--idle-exit", type=float, default=0.0, metavar="SECONDS",
+                   help="exit after this long without a request or commit (default: never)")
+    p.add_argument("--keep-deltas", type=int, default=4, metavar="W",
+                   help="deltas kept per replica, i.e. how far it can step back (default 4)")
+    p.add_argument("--max-chunk-bytes", type=parse_bytes, default=32 << 20,
+                   help="largest chunk accepted in a push (default 32M)")
+    p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser("status", help="print what each daemon holds")
+    p.add_argument("--daemon", action="append", required=True, metavar="HOST:PORT", help="a daemon (repeatable)")
+    p.add_argument("--job", help="only this job")
+    p.add_argument("--token-file", type=Path, help="file holding the job token (default: $FFSTATE_TOKEN)")
+    p.add_argument("--tls-ca", type=Path, help="CA of the daemons' certificates, when they use TLS")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
+    p.set_defaults(run=cmd_status)
+
     bench = sub.add_parser("bench", help="benchmarks; each writes JSON and a PNG under bench/results/")
     which = bench.add_subparsers(dest="benchmark", required=True)
     from ffstate.bench import codec as codec_bench

@@ -190,19 +190,31 @@ class Slots:
 
     def latest(self) -> SlotView | None:
         """The newest committed slot, or None. Check ``unchanged(view)`` after using its data."""
-        for version, k in self.committed():
-            _, seq, version, checksum, slen, _, _, t_ns, _ = self._header(k)
-            if seq % 2:
-                continue
-            raw = bytes(self._maps[k][PAGE : PAGE + slen])
-            if self._seq(k) != seq:
-                continue
-            try:
-                scalars = json.loads(raw)
-            except ValueError:
-                continue
-            return SlotView(k, seq, version, checksum, scalars, self.data[k], t_ns)
+        for _, k in self.committed():
+            view = self._view(k)
+            if view is not None:
+                return view
         return None
+
+    def _view_of(self, version: int) -> SlotView | None:
+        for v, k in self.committed():
+            if v == version:
+                return self._view(k)
+        return None
+
+    def _view(self, k: int) -> SlotView | None:
+        """Slot k as read now, if it is committed and stayed so while its header was read."""
+        _, seq, version, checksum, slen, _, _, t_ns, _ = self._header(k)
+        if seq % 2 or slen > self.scalars_capacity:
+            return None
+        raw = bytes(self._maps[k][PAGE : PAGE + slen])
+        if self._seq(k) != seq:
+            return None
+        try:
+            scalars = json.loads(raw)
+        except ValueError:
+            return None
+        return SlotView(k, seq, version, checksum, scalars, self.data[k], t_ns)
 
     def unchanged(self, view: SlotView) -> bool:
         """True while the worker has not started rewriting the slot ``view`` came from."""
@@ -212,16 +224,16 @@ class Slots:
         """The slot's contents as a codec snapshot (no copy; valid while ``unchanged(view)``)."""
         return codec.Snapshot(self.manifest.with_scalars(view.scalars), view.data, view.checksum)
 
-    def copy_latest(self) -> codec.Snapshot | None:
-        """A verified private copy of the newest committed slot (None if there is none).
+    def copy_latest(self, version: int = 0) -> tuple[int, codec.Snapshot] | None:
+        """(version, a verified private copy) of the newest committed slot, or of ``version`` if given.
 
-        Retries when the worker rewrites the slot during the copy (newest wins).
+        None when no committed slot holds it. Retries when the worker rewrites the slot meanwhile.
         """
         for _ in range(100):
-            view = self.latest()
+            view = self.latest() if not version else self._view_of(version)
             if view is None:
                 return None
             buf = view.data.clone()
             if self.unchanged(view) and codec.buffer_checksum(buf) == view.checksum:
-                return codec.Snapshot(self.manifest.with_scalars(view.scalars), buf, view.checksum)
+                return view.version, codec.Snapshot(self.manifest.with_scalars(view.scalars), buf, view.checksum)
         raise SlotError(f"could not read a stable copy of {self.paths}: the writer keeps rewriting them")

@@ -287,15 +287,15 @@ class Store:
             raise ReplicaError(f"no replica of {key} is held here", "NOT_FOUND")
         return held
 
-    def fetch(self, key: ShardKey, version: int = 0) -> Packed:
-        """A full encoding of ``key`` at ``version`` (0: the newest), stepping a copy back if needed.
+    def fetch(self, key: ShardKey, version: int = 0) -> tuple[int, Packed]:
+        """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed.
 
-        The caller reserves the encoding's size (at most the snapshot's) while it streams it.
+        The caller reserves the encoding's size while it streams it.
         """
         held = self._get(key)
         with held.lock:
             if version in (0, held.version):
-                return codec.encode_snapshot(held.snapshot)
+                return held.version, codec.encode_snapshot(held.snapshot)
             if version not in held.versions:
                 raise ReplicaError(f"{key} version {version} is not held here (held: {held.versions})", "NOT_FOUND")
             size = held.snapshot.buffer.numel()
@@ -306,7 +306,7 @@ class Store:
                     if d.version <= version:
                         break
                     snap = codec.revert_snapshot(d.packed, snap, d.scalars_before)
-                return codec.encode_snapshot(snap)
+                return version, codec.encode_snapshot(snap)
             finally:
                 self.release(size)
 

@@ -1,0 +1,243 @@
+"""The gRPC client of a replica daemon: attach, push, commit, fetch, inventory, step-back, drop.
+
+Every call carries the job token, has a deadline, and is retried with backoff while the daemon is
+UNAVAILABLE (bounded); anything else becomes a ``ReplicaError`` naming the daemon and the gRPC
+status, and exhausted retries a ``ReplicaUnavailable``. Chunks go on the wire with one copy: the
+message bytes are the small protobuf fields followed by the payload, joined once.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from ffstate._proto import replica_pb2 as pb
+from ffstate.codec import Chunk, Packed
+from ffstate.errors import ReplicaError, ReplicaUnavailable
+from ffstate.layout import Manifest
+
+log = logging.getLogger("ffstate.client")
+
+TOKEN_KEY = "ffstate-token"
+# gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (DESIGN.md I6).
+DEFAULT_MAX_MESSAGE = 64 << 20
+_SERVICE = "/ffstate.v1.Replica/"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS settings of a client: the CA that signed the daemons' certificates, optionally a client cert."""
+
+    ca: Path
+    cert: Path | None = None
+    key: Path | None = None
+    server_name: str | None = None  # the name in the daemon's certificate, when it is not the address's host
+
+
+def with_payload(prefix: bytes, field: int, payload: memoryview | bytes) -> bytes:
+    """Appends a bytes field to a serialized message: one copy of the payload, no protobuf round trip."""
+    n = len(payload)
+    head = bytearray([(field << 3) | 2])
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        head.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"".join((prefix, head, payload))
+
+
+def shard(job_id: str, rank: int, world_size: int) -> pb.ShardKey:
+    return pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size)
+
+
+class Client:
+    """One daemon's client. Thread-safe; ``close()`` (or ``with``) releases the channel."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        tls: Tls | None = None,
+        timeout: float = 30.0,
+        retries: int = 4,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+    ):
+        self.address = address
+        self.timeout = timeout
+        self.retries = retries
+        self._metadata = ((TOKEN_KEY, token),)
+        options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ]
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=tls.ca.read_bytes(),
+                private_key=tls.key.read_bytes() if tls.key else None,
+                certificate_chain=tls.cert.read_bytes() if tls.cert else None,
+            )
+            if tls.server_name:
+                options.append(("grpc.ssl_target_name_override", tls.server_name))
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        ch = self._channel
+        self._attach = ch.unary_unary(_SERVICE + "Attach", pb.AttachRequest.SerializeToString, pb.AttachResponse.FromString)
+        self._notify = ch.unary_unary(_SERVICE + "NotifyCommit", pb.CommitNotice.SerializeToString,
+                                      pb.CommitNoticeAck.FromString)
+        self._push = ch.stream_unary(_SERVICE + "Push", lambda b: b, pb.PushResult.FromString)
+        self._commit = ch.unary_unary(_SERVICE + "Commit", pb.CommitRequest.SerializeToString, pb.CommitResult.FromString)
+        self._fetch = ch.unary_stream(_SERVICE + "Fetch", pb.FetchRequest.SerializeToString, pb.FetchChunk.FromString)
+        self._inventory = ch.unary_unary(_SERVICE + "Inventory", pb.InventoryRequest.SerializeToString,
+                                         pb.InventoryResponse.FromString)
+        self._step_back = ch.unary_unary(_SERVICE + "StepBack", pb.StepBackRequest.SerializeToString,
+                                         pb.StepBackResult.FromString)
+        self._drop = ch.unary_unary(_SERVICE + "Drop", pb.DropRequest.SerializeToString, pb.DropResult.FromString)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.address!r})"
+
+    # ------------------------------------------------------------ plumbing
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Runs ``fn`` with bounded retries on UNAVAILABLE; maps gRPC errors to ffstate's."""
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+                detail = e.details() if hasattr(e, "details") else str(e)
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if attempt < self.retries:
+                        time.sleep(delay * (1 + random.random()))
+                        delay = min(delay * 2, 2.0)
+                        continue
+                    raise ReplicaUnavailable(f"{what} at {self.address}: {code.name} after {attempt + 1} tries: "
+                                             f"{detail}") from None
+                raise ReplicaError(f"{what} at {self.address}: {code.name}: {detail}", code.name) from None
+        raise AssertionError("unreachable")
+
+    def _kw(self, timeout: float | None = None) -> dict:
+        return {"metadata": self._metadata, "timeout": timeout or self.timeout}
+
+    # ------------------------------------------------------------ local workers
+
+    def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0
+               ) -> pb.AttachResponse:
+        req = pb.AttachRequest(shard=shard(job_id, rank, world_size), manifest_json=manifest.to_json(),
+                               scalars_capacity=scalars_capacity)
+        return self._call("attach", lambda: self._attach(req, **self._kw()))
+
+    def notify_commit(self, job_id: str, rank: int, world_size: int, version: int) -> None:
+        req = pb.CommitNotice(shard=shard(job_id, rank, world_size), version=version)
+        self._call("notify_commit", lambda: self._notify(req, **self._kw()))
+
+    # ------------------------------------------------------------ replicas
+
+    def push(self, job_id: str, rank: int, world_size: int, version: int, packed: Packed, base_version: int = 0,
+             before_chunk: Callable[[int], None] | None = None) -> pb.PushResult:
+        """Streams every chunk of ``packed`` (stages it; ``commit`` applies it).
+
+        ``before_chunk(nbytes)`` is called before each chunk goes out: the seam where a scheduler paces
+        the sender.
+        """
+        key = shard(job_id, rank, world_size)
+
+        def messages() -> Iterator[bytes]:
+            for c in packed.chunks:
+                if before_chunk is not None:
+                    before_chunk(len(c.payload))
+                head = pb.PushChunk(shard=key, version=version, base_version=base_version, chunk_index=c.index,
+                                    chunk_count=c.count, checksum=c.checksum).SerializeToString()
+                yield with_payload(head, 7, c.payload)
+
+        return self._call(f"push of {job_id}/{rank} version {version}",
+                          lambda: self._push(messages(), **self._kw(self.timeout * 10)))
+
+    def commit(self, job_id: str, rank: int, world_size: int, version: int) -> pb.CommitResult:
+        req = pb.CommitRequest(shard=shard(job_id, rank, world_size), version=version)
+        return self._call(f"commit of {job_id}/{rank} version {version}", lambda: self._commit(req, **self._kw()))
+
+    def push_and_commit(self, job_id: str, rank: int, world_size: int, version: int, packed: Packed,
+                        base_version: int = 0, before_chunk: Callable[[int], None] | None = None) -> pb.CommitResult:
+        self.push(job_id, rank, world_size, version, packed, base_version, before_chunk)
+        return self.commit(job_id, rank, world_size, version)
+
+    def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1
+                     ) -> list[tuple[int, Chunk]]:
+        """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon."""
+        req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
+                              chunk_step=step)
+
+        def run() -> list[tuple[int, Chunk]]:
+            return [(m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, memoryview(m.payload)))
+                    for m in self._fetch(req, **self._kw(self.timeout * 10))]
+
+        return self._call(f"fetch of {job_id}/{rank} version {version or 'newest'}", run)
+
+    def fetch(self, job_id: str, rank: int, world_size: int, version: int = 0) -> Packed:
+        """A full encoding of the shard at ``version`` (0: the newest held); decode with ``codec.decode``."""
+        got = self.fetch_chunks(job_id, rank, world_size, version)
+        if not got:
+            raise ReplicaError(f"fetch from {self.address} returned no chunk", "DATA_LOSS")
+        return Packed([c for _, c in got])
+
+    def inventory(self, job_id: str = "") -> pb.InventoryResponse:
+        return self._call("inventory", lambda: self._inventory(pb.InventoryRequest(job_id=job_id), **self._kw()))
+
+    def step_back(self, job_id: str, rank: int, world_size: int, version: int) -> pb.StepBackResult:
+        req = pb.StepBackRequest(shard=shard(job_id, rank, world_size), version=version)
+        return self._call(f"step back of {job_id}/{rank} to {version}", lambda: self._step_back(req, **self._kw()))
+
+    def drop(self, job_id: str, rank: int = -1, world_size: int = 1) -> int:
+        """Drops one shard, or with ``rank=-1`` every shard of the job (and its slots)."""
+        req = pb.DropRequest(shard=pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size))
+        return self._call(f"drop of {job_id}", lambda: self._drop(req, **self._kw())).dropped
+
+
+def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int) -> Packed:
+    """Fetches one version from several holders in parallel, chunk i from holder i mod k.
+
+    Full encodings of one version are deterministic, so the stripes fit together; the checksums
+    (per chunk and of the whole version, at decode) catch anything that does not. A holder that
+    fails has its stripe fetched from the next one. ``version`` must be given (not 0): holders may
+    hold different newest versions.
+    """
+    if version <= 0:
+        raise ValueError("fetch_striped needs an explicit version: holders may differ in their newest")
+    k = len(clients)
+    if k == 1:
+        return clients[0].fetch(job_id, rank, world_size, version)
+
+    def stripe(i: int) -> list[tuple[int, Chunk]]:
+        last: Exception | None = None
+        for j in range(k):
+            try:
+                return clients[(i + j) % k].fetch_chunks(job_id, rank, world_size, version, first=i, step=k)
+            except ReplicaError as e:
+                last = e
+                log.warning("stripe %d of %s/%d version %d: %s; trying the next holder", i, job_id, rank, version, e)
+        raise ReplicaUnavailable(f"no holder could serve stripe {i} of {job_id}/{rank} version {version}: {last}")
+
+    with ThreadPoolExecutor(k) as pool:
+        stripes = list(pool.map(stripe, range(k)))
+    chunks = sorted((c for s in stripes for _, c in s), key=lambda c: c.index)
+    return Packed(chunks)
