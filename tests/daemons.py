@@ -1,0 +1,135 @@
+"""Real ``ffstate serve`` processes for tests, and the fixtures that always clean them up.
+
+Each daemon is a subprocess on loopback with its own node id; its port is read from the line it
+prints when it is ready. Failure injection is explicit: ``Daemon.kill()`` is a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from ffstate.client import Client, Tls
+
+TOKEN = "test-token-" + uuid.uuid4().hex[:8]
+READY = re.compile(r"listening on ([\d.]+):(\d+)")
+START_TIMEOUT = 30.0
+
+
+@dataclass
+class Daemon:
+    node_id: str
+    proc: subprocess.Popen
+    address: str
+    log_path: Path
+    args: list[str] = field(default_factory=list)
+
+    def client(self, token: str = TOKEN, **kw) -> Client:
+        return Client(self.address, token, **kw)
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup runs (a crashed daemon)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(15)
+        return self.proc.returncode
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+class DaemonFactory:
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.daemons: list[Daemon] = []
+        self.token_file = tmp / "token"
+        self.token_file.write_text(TOKEN)
+
+    def start(self, *extra: str, node_id: str | None = None, port: int = 0, tls: bool = False) -> Daemon:
+        node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
+        log_path = self.tmp / f"{node_id}-{len(self.daemons)}.log"
+        args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--port", str(port),
+                "--token-file", str(self.token_file), *extra]
+        out = open(log_path, "w")
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + START_TIMEOUT
+        line = ""
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if READY.search(line) or proc.poll() is not None:
+                break
+        m = READY.search(line)
+        if not m:
+            proc.kill()
+            raise RuntimeError(f"ffstate serve did not start: {line!r}\n{log_path.read_text()}")
+        d = Daemon(node_id, proc, f"{m.group(1)}:{m.group(2)}", log_path, args)
+        self.daemons.append(d)
+        return d
+
+    def restart(self, d: Daemon) -> Daemon:
+        """The same node (id and port) started again after it died."""
+        port = d.address.rsplit(":", 1)[1]
+        extra = d.args[d.args.index("--token-file") + 2 :]
+        return self.start(*extra, node_id=d.node_id, port=int(port))
+
+    def close(self) -> None:
+        for d in self.daemons:
+            d.terminate()
+        for d in self.daemons:
+            d.kill()
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    factory = DaemonFactory(tmp_path)
+    yield factory
+    factory.close()
+    leaked = [p for d in factory.daemons for p in Path("/dev/shm").glob(f"ffstate-{d.node_id}-*")]
+    for p in leaked:
+        p.unlink()
+    assert not leaked, f"shared memory left behind: {leaked}"
+
+
+def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Polls ``predicate`` (returning a truthy value) until it holds; fails the test at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def held_version(client: Client, job: str, rank: int) -> int:
+    inv = client.inventory(job)
+    return next((s.version for s in inv.shards if s.shard.rank == rank and not s.local), 0)
+
+
+def make_tls(tmp: Path) -> tuple[Tls, Path, Path, Path]:
+    """A CA and a server certificate for 127.0.0.1/localhost, made with openssl."""
+    ca_key, ca, key, csr, cert = (tmp / n for n in ("ca.key", "ca.pem", "srv.key", "srv.csr", "srv.pem"))
+    run = lambda *a: subprocess.run(a, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
+        "-subj", "/CN=ffstate-test-ca")
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", csr, "-subj", "/CN=localhost")
+    ext = tmp / "ext.cnf"
+    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+        "-days", "1", "-extfile", ext)
+    return Tls(ca), cert, key, ca

@@ -1,0 +1,69 @@
+"""A local worker for the daemon tests: attaches to a daemon and commits AdamW training states.
+
+    python tests/procs/writer.py ADDRESS JOB RANK WORLD STEPS [--from N] [--die-mid-write V] [--dump F]
+
+Commits the states of ``helpers.train_states`` (deterministic) for versions N+1..STEPS, notifying
+the daemon after each, and prints "committed V" lines. ``--die-mid-write V`` SIGKILLs this process
+half-way through writing version V (the slot's sequence number odd, half its bytes new).
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ffstate import codec, layout, shm  # noqa: E402
+from ffstate.client import Client  # noqa: E402
+from helpers import train_states  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("address")
+    p.add_argument("job")
+    p.add_argument("rank", type=int)
+    p.add_argument("world", type=int)
+    p.add_argument("steps", type=int)
+    p.add_argument("--from", dest="start", type=int, default=0)
+    p.add_argument("--die-mid-write", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-replicated", action="store_true", help="after each commit, wait until every holder has it")
+    p.add_argument("--dump", help="torch.save the states here first (the test's expected values)")
+    a = p.parse_args()
+    states = list(train_states(a.steps, seed=a.seed))
+    if a.dump:
+        import torch
+
+        torch.save(states, a.dump)
+    manifest = layout.describe(states[0])
+    client = Client(a.address, os.environ["FFSTATE_TOKEN"])
+    resp = client.attach(a.job, a.rank, a.world, manifest)
+    slots = shm.Slots(list(resp.slot_paths), manifest)
+    print(f"attached {resp.committed_version}", flush=True)
+    for version in range(a.start + 1, a.steps + 1):
+        if version == a.die_mid_write:
+            real = codec.pack_into
+
+            def torn(state, out, m=None):
+                real(state, out, m)  # the whole state is written but the header is not: die now,
+                out[: out.numel() // 2].zero_()  # with half the bytes clobbered for good measure
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            codec.pack_into = torn
+        slots.commit(states[version - 1], version)
+        client.notify_commit(a.job, a.rank, a.world, version)
+        print(f"committed {version}", flush=True)
+        deadline = time.monotonic() + 60
+        while a.wait_replicated and time.monotonic() < deadline:
+            mine = [s for s in client.inventory(a.job).shards if s.local and s.shard.rank == a.rank]
+            if mine and mine[0].replicated_version >= version:
+                break
+            time.sleep(0.02)
+
+
+if __name__ == "__main__":
+    main()

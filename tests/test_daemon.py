@@ -1,0 +1,134 @@
+"""The replica daemon end to end: real ``ffstate serve`` processes on loopback, real writer processes,
+real SIGKILLs. Two daemons act as two nodes: A holds the writer's slots and pushes to B."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from daemons import TOKEN, held_version, wait_until
+from ffstate import codec
+from ffstate.errors import ReplicaError, ReplicaUnavailable
+from helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.timeout(180)
+WRITER = Path(__file__).parent / "procs" / "writer.py"
+
+
+def run_writer(a, job, steps, tmp_path, *extra, rank=0, world=2, check=True):
+    dump = tmp_path / f"states-{job}-{rank}.pt"
+    proc = subprocess.run(
+        [sys.executable, str(WRITER), a.address, job, str(rank), str(world), str(steps), "--dump", str(dump), *extra],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "FFSTATE_TOKEN": TOKEN},
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc, torch.load(dump, weights_only=False)
+
+
+@pytest.fixture
+def pair(daemons):
+    b = daemons.start()
+    a = daemons.start("--peer", b.address)
+    return a, b
+
+
+def test_commits_replicate_bit_exact_full_then_deltas(pair, tmp_path):
+    a, b = pair
+    _, states = run_writer(a, "j1", 6, tmp_path)
+    cb = b.client()
+    wait_until(lambda: held_version(cb, "j1", 0) == 6, what="B to hold version 6")
+    assert_bitwise_equal(codec.decode(cb.fetch("j1", 0, 2)), states[-1])
+    inv = cb.inventory("j1")
+    assert list(inv.shards[0].versions)[0] == 6
+    log = a.log()
+    assert "full" in log and "delta" in log, "expected a full version, then deltas"
+    # A serves its own rank from the slots: the node-local copy.
+    assert_bitwise_equal(codec.decode(a.client().fetch("j1", 0, 2)), states[-1])
+
+
+def test_writer_killed_mid_write_leaves_the_previous_version_intact(pair, tmp_path):
+    a, b = pair
+    proc, states = run_writer(a, "j2", 5, tmp_path, "--die-mid-write", "4", check=False)
+    assert proc.returncode == -signal.SIGKILL and "committed 3" in proc.stdout
+    ca, cb = a.client(), b.client()
+    assert_bitwise_equal(codec.decode(ca.fetch("j2", 0, 2)), states[2])  # the slot of version 3
+    wait_until(lambda: held_version(cb, "j2", 0) == 3, what="B at version 3")
+    time.sleep(0.3)  # a torn slot must never be picked up
+    assert held_version(cb, "j2", 0) == 3
+    assert_bitwise_equal(codec.decode(cb.fetch("j2", 0, 2)), states[2])
+    # The restarted worker re-attaches, learns version 3 is committed, and carries on.
+    proc, states = run_writer(a, "j2", 5, tmp_path, "--from", "3")
+    assert "attached 3" in proc.stdout
+    wait_until(lambda: held_version(cb, "j2", 0) == 5, what="B at version 5")
+    assert_bitwise_equal(codec.decode(cb.fetch("j2", 0, 2)), states[4])
+
+
+def test_step_back_w_versions_bit_exact(pair, tmp_path):
+    a, b = pair
+    _, states = run_writer(a, "j3", 7, tmp_path, "--wait-replicated")
+    cb = b.client()
+    wait_until(lambda: held_version(cb, "j3", 0) == 7, what="B at version 7")
+    versions = list(cb.inventory("j3").shards[0].versions)
+    assert versions == [7, 6, 5, 4, 3]  # the held version and W=4 deltas back
+    assert_bitwise_equal(codec.decode(cb.fetch("j3", 0, 2, version=4)), states[3])  # a stepped-back copy
+    assert cb.step_back("j3", 0, 2, 3).version == 3
+    assert_bitwise_equal(codec.decode(cb.fetch("j3", 0, 2)), states[2])
+    with pytest.raises(ReplicaError) as e:
+        cb.step_back("j3", 0, 2, 2)
+    assert e.value.code == "NOT_FOUND"
+
+
+def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
+    b = daemons.start()
+    a = daemons.start("--peer", b.address)
+    _, states = run_writer(a, "j4", 3, tmp_path)
+    wait_until(lambda: held_version(b.client(), "j4", 0) == 3, what="B at version 3")
+    b.kill()
+    b2 = daemons.restart(b)
+    assert held_version(b2.client(), "j4", 0) == 0  # its memory died with it
+    _, states = run_writer(a, "j4", 5, tmp_path, "--from", "3")
+    cb = b2.client()
+    wait_until(lambda: held_version(cb, "j4", 0) == 5, what="the restarted B re-seeded at version 5")
+    assert_bitwise_equal(codec.decode(cb.fetch("j4", 0, 2)), states[4])
+    assert "re-seeded" in a.log() or "full" in a.log()
+
+
+def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
+    a = daemons.start()
+    run_writer(a, "j5", 2, tmp_path)
+    slots = list(Path("/dev/shm").glob(f"ffstate-{a.node_id}-*"))
+    assert len(slots) == 2
+    assert a.terminate() == 0
+    assert not any(p.exists() for p in slots)
+
+
+def test_idle_daemon_exits_by_itself(daemons):
+    d = daemons.start("--idle-exit", "1")
+    assert d.proc.wait(20) == 0
+    assert "idle" in d.log()
+
+
+def test_missing_daemon_is_a_clear_error():
+    from ffstate.client import Client
+
+    with Client("127.0.0.1:1", TOKEN, timeout=1.0, retries=1) as c:
+        with pytest.raises(ReplicaUnavailable, match="127.0.0.1:1"):
+            c.inventory()
+
+
+def test_status_prints_the_replica_table(pair, tmp_path):
+    a, b = pair
+    run_writer(a, "j6", 3, tmp_path)
+    wait_until(lambda: held_version(b.client(), "j6", 0) == 3, what="B at version 3")
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", a.address, "--daemon", b.address],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "FFSTATE_TOKEN": TOKEN,
+                                                                          "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "j6" in out.stdout and "local" in out.stdout and "replica" in out.stdout
+    assert a.node_id in out.stdout and b.node_id in out.stdout
