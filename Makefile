@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo clean
+.PHONY: install test bench demo proto clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Regenerates the gRPC stubs in ffstate/_proto/ from proto/ (checked in; a test checks they are current).
+proto: $(STAMP)
+	$(PY) proto/generate.py
 
 bench: $(STAMP)
 	$(VENV)/bin/ffstate bench codec
