@@ -208,8 +208,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         return self._guard(context, run)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        version, packed = self._guard(context, lambda: self._fetch(_key(request.shard), request.version))
-        reserved = self._guard(context, lambda: self._reserve(packed.nbytes, f"serving {request.shard.job_id}"))
+        version, packed, reserved = self._guard(context, lambda: self._fetch(_key(request.shard), request.version))
         try:
             for c in packed.chunks[request.first_chunk :: request.chunk_step or 1]:
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
@@ -219,22 +218,24 @@ class Daemon(pb_grpc.ReplicaServicer):
         finally:
             self.store.release(reserved)
 
-    def _reserve(self, nbytes: int, what: str) -> int:
-        self.store.reserve(nbytes, what)
-        return nbytes
-
-    def _fetch(self, key: ShardKey, version: int) -> tuple[int, Any]:
-        """(version, full encoding) of a local rank (from its slots) or of a replica held here."""
+    def _fetch(self, key: ShardKey, version: int) -> tuple[int, Any, int]:
+        """(version, full encoding, bytes to release after streaming) of a local rank or a replica held here."""
         from ffstate import codec
 
         shard = self.local.get(key)
         if shard is None:
-            return self.store.fetch(key, version)
-        got = shard.slots.copy_latest(version)
-        if got is None:
-            raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
-                               f"{[v for v, _ in shard.slots.committed()]})", "NOT_FOUND")
-        return got[0], codec.encode_snapshot(got[1])
+            return (*self.store.fetch(key, version), 0)  # the store keeps (and counts) what it serves
+        nbytes = shard.manifest.nbytes
+        self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
+        try:
+            got = shard.slots.copy_latest(version)
+            if got is None:
+                raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
+                                   f"{[v for v, _ in shard.slots.committed()]})", "NOT_FOUND")
+            return got[0], codec.encode_snapshot(got[1]), 2 * nbytes
+        except BaseException:
+            self.store.release(2 * nbytes)
+            raise
 
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
         def run() -> pb.InventoryResponse:

@@ -114,6 +114,9 @@ class Store:
         self._lock = threading.Lock()
         self._replicas: dict[ShardKey, Replica] = {}
         self._staged: dict[ShardKey, Staging] = {}
+        # The last full encoding served, kept (and reserved) so that several readers of one version
+        # (striped fetches, retries, restarting ranks) do not each pay for encoding it again.
+        self._served: tuple[ShardKey, int, int, Packed] | None = None
 
     # ------------------------------------------------------------ budget
 
@@ -124,6 +127,9 @@ class Store:
     def reserve(self, nbytes: int, what: str) -> None:
         """Counts ``nbytes`` against the budget, or raises RESOURCE_EXHAUSTED without counting anything."""
         with self._lock:
+            if self._used + nbytes > self.budget and self._served is not None:
+                self._used -= self._served[3].nbytes  # the served-encoding cache goes first
+                self._served = None
             if self._used + nbytes > self.budget:
                 raise ReplicaError(
                     f"{what} needs {nbytes} more bytes; this daemon holds {self._used} of its {self.budget}-byte "
@@ -290,12 +296,19 @@ class Store:
     def fetch(self, key: ShardKey, version: int = 0) -> tuple[int, Packed]:
         """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed.
 
-        The caller reserves the encoding's size while it streams it.
+        The encoding stays cached, and counted against the budget, until another is served or the
+        budget needs the room.
         """
         held = self._get(key)
         with held.lock:
-            if version in (0, held.version):
-                return held.version, codec.encode_snapshot(held.snapshot)
+            version = version or held.version
+            with self._lock:
+                served = self._served
+            if served is not None and served[:3] == (key, version, held.snapshot.checksum):
+                return version, served[3]
+            if version == held.version:
+                return version, self._remember(key, version, held.snapshot.checksum,
+                                               codec.encode_snapshot(held.snapshot))
             if version not in held.versions:
                 raise ReplicaError(f"{key} version {version} is not held here (held: {held.versions})", "NOT_FOUND")
             size = held.snapshot.buffer.numel()
@@ -306,9 +319,21 @@ class Store:
                     if d.version <= version:
                         break
                     snap = codec.revert_snapshot(d.packed, snap, d.scalars_before)
-                return version, codec.encode_snapshot(snap)
+                packed = codec.encode_snapshot(snap)
             finally:
                 self.release(size)
+            return version, self._remember(key, version, held.snapshot.checksum, packed)
+
+    def _remember(self, key: ShardKey, version: int, checksum: int, packed: Packed) -> Packed:
+        """Keeps ``packed`` (reserved) as the served-encoding cache, or refuses it if the budget cannot hold it."""
+        with self._lock:
+            if self._served is not None:
+                self._used -= self._served[3].nbytes
+                self._served = None
+        self.reserve(packed.nbytes, f"the encoding of {key} version {version} being served")
+        with self._lock:
+            self._served = (key, version, checksum, packed)
+        return packed
 
     def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
         """Reverts the replica in place to ``version``, dropping the newer deltas."""
@@ -335,6 +360,9 @@ class Store:
                     if k.job_id == job_id and (rank is None or k.rank == rank)]
             gone = [self._replicas.pop(k, None) for k in keys]
             staged = [self._staged.pop(k, None) for k in keys]
+            if self._served is not None and self._served[0] in keys:
+                self._used -= self._served[3].nbytes
+                self._served = None
         self.release(sum(r.nbytes for r in gone if r) + sum(s.reserved for s in staged if s))
         if keys:
             log.info("dropped %d shard(s) of job %s", len(keys), job_id)
