@@ -1,0 +1,222 @@
+"""Bandwidth benchmark: gRPC push and fetch over a chunk-size sweep, next to raw TCP and gloo send/recv.
+
+In one run, between two local processes (or, with ``--daemon HOST:PORT``, to that daemon):
+
+- gRPC **push** (the client streams one version's chunks to a daemon, which verifies and stages
+  them) and **fetch** (the daemon streams a full version back) for each chunk size;
+- a **raw TCP** socket moving the same bytes (one ``sendall``, ``recv_into`` a buffer): the ceiling;
+- **gloo** ``send``/``recv`` of a uint8 tensor of the same size between two torch.distributed ranks.
+
+The payload is incompressible (random bytes), so every chunk is full size. Medians of repeats.
+Prints a table; writes ``bench/results/bandwidth.json`` and a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ffstate import codec
+from ffstate.bench._report import environment, table, write_json
+from ffstate.client import Client
+
+log = logging.getLogger("ffstate.bench.bandwidth")
+JOB = "bench-bandwidth"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _timed(fn, repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def raw_tcp(nbytes: int, repeats: int) -> list[float]:
+    port = _free_port()
+    peer = subprocess.Popen([sys.executable, "-m", "ffstate.bench._peers", "tcp-server", str(port), str(nbytes),
+                             str(repeats + 1)], stdout=subprocess.PIPE, text=True)
+    try:
+        peer.stdout.readline()
+        data = memoryview(np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8))
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+            def send() -> None:
+                s.sendall(data)
+                s.recv(1)
+
+            return _timed(send, repeats)
+    finally:
+        peer.wait(30)
+
+
+def gloo(nbytes: int, repeats: int) -> list[float]:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "ffstate.bench._peers", "gloo", str(r), str(port), str(nbytes),
+                               str(repeats)], stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    out = procs[0].communicate(timeout=600)[0]
+    procs[1].wait(60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def start_daemon(token: str, memory: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--memory-limit",
+                             str(memory), "--max-chunk-bytes", "64M"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "FFSTATE_TOKEN": token})
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise SystemExit(f"could not start a daemon: {line!r}")
+    return proc, line.rsplit(" ", 1)[-1].strip()
+
+
+def grpc_sweep(address: str, token: str, nbytes: int, chunks: list[int], repeats: int, progress) -> dict:
+    data = {"w": np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)}
+    out = {}
+    with Client(address, token, timeout=120) as c:
+        for cs in chunks:
+            packed = codec.encode(data, chunk_bytes=cs)
+            push = _timed(lambda: c.push(JOB, 0, 1, 1, packed), repeats)
+            c.commit(JOB, 0, 1, 1)
+            fetch = _timed(lambda: c.fetch_chunks(JOB, 0, 1, 1), repeats)
+            out[cs] = {"push": push, "fetch": fetch, "wire_bytes": packed.nbytes}
+            progress()
+        c.drop(JOB)
+    return out
+
+
+def run(nbytes: int, chunks: list[int], repeats: int, daemon: str | None, out_dir: Path) -> dict:
+    from rich.progress import Progress
+
+    token = os.environ.get("FFSTATE_TOKEN") or secrets.token_hex(8)
+    proc = None
+    if daemon is None:
+        proc, daemon = start_daemon(token, memory=6 * nbytes + (256 << 20))
+    try:
+        with Progress(transient=True) as bar:
+            task = bar.add_task("measuring", total=len(chunks) + (0 if proc is None else 2))
+            step = lambda: bar.advance(task)  # noqa: E731
+            sweep = grpc_sweep(daemon, token, nbytes, chunks, repeats, step)
+            tcp = gloo_t = None
+            if proc is not None:  # the baselines run between local processes only
+                tcp = raw_tcp(nbytes, repeats)
+                step()
+                gloo_t = gloo(nbytes, repeats)
+                step()
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    gbps = lambda ts: nbytes / statistics.median(ts) / 1e9  # noqa: E731
+    result = {
+        "benchmark": "bandwidth",
+        "environment": environment("cpu"),
+        "config": {"nbytes": nbytes, "repeats": repeats, "daemon": daemon if proc is None else "local subprocess"},
+        "grpc": {str(cs): {"push_GBps": gbps(v["push"]), "fetch_GBps": gbps(v["fetch"]), "wire_bytes": v["wire_bytes"],
+                           "push_seconds": v["push"], "fetch_seconds": v["fetch"]} for cs, v in sweep.items()},
+    }
+    if tcp is not None:
+        result["raw_tcp"] = {"GBps": gbps(tcp), "seconds": tcp}
+        result["gloo"] = {"GBps": gbps(gloo_t), "seconds": gloo_t}
+        best = max(sweep, key=lambda cs: min(gbps(sweep[cs]["push"]), gbps(sweep[cs]["fetch"])))
+        result["best_chunk_bytes"] = best
+    path = write_json(out_dir, "bandwidth", result)
+    print(report(result))
+    print(f"\nwrote {path}")
+    png = plot(result, out_dir / "bandwidth.png")
+    if png:
+        print(f"wrote {png}")
+    return result
+
+
+def report(result: dict) -> str:
+    cfg = result["config"]
+    tcp = result.get("raw_tcp", {}).get("GBps")
+    rows = []
+    for cs, v in result["grpc"].items():
+        for what in ("push", "fetch"):
+            g = v[f"{what}_GBps"]
+            rows.append([f"gRPC {what}", f"{int(cs) >> 10} KiB", f"{g:.3f}", f"{g / tcp:.2f}" if tcp else "-"])
+    if tcp:
+        rows.append(["raw TCP", "-", f"{tcp:.3f}", "1.00"])
+        rows.append(["gloo send/recv", "-", f"{result['gloo']['GBps']:.3f}", f"{result['gloo']['GBps'] / tcp:.2f}"])
+    head = f"{cfg['nbytes'] >> 20} MiB per transfer to {cfg['daemon']}, median of {cfg['repeats']}"
+    lines = [head, "", table(rows, ["transport", "chunk", "GB/s", "x raw TCP"])]
+    if "best_chunk_bytes" in result:
+        lines.append(f"\nbest chunk size (highest of min(push, fetch)): {result['best_chunk_bytes'] >> 10} KiB")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no plot")
+        return None
+    sizes = [int(cs) for cs in result["grpc"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for what in ("push", "fetch"):
+        ax.plot([s >> 10 for s in sizes], [result["grpc"][str(s)][f"{what}_GBps"] for s in sizes], "o-",
+                label=f"gRPC {what}")
+    if "raw_tcp" in result:
+        ax.axhline(result["raw_tcp"]["GBps"], color="k", ls="--", label="raw TCP")
+        ax.axhline(result["gloo"]["GBps"], color="grey", ls=":", label="gloo send/recv")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("chunk size (KiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"loopback, {result['config']['nbytes'] >> 20} MiB per transfer")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ffstate.cli import parse_bytes
+
+    p.add_argument("--size", type=parse_bytes, default=256 << 20, help="bytes per transfer (default 256M)")
+    p.add_argument("--chunks", default="256K,1M,4M,16M", help="chunk sizes to sweep (default 256K,1M,4M,16M)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians are reported (default 5)")
+    p.add_argument("--daemon", help="HOST:PORT of a running daemon to measure instead of a local one "
+                                    "(token from $FFSTATE_TOKEN; no baselines then)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ffstate.cli import parse_bytes
+
+    chunks = [parse_bytes(c) for c in args.chunks.split(",")]
+    run(args.size, chunks, args.repeats, args.daemon, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
