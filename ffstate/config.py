@@ -19,16 +19,16 @@ class Config:
     """ffstate's configuration.
 
     Attributes:
-        chunk_bytes: size of one encoded segment before compaction (bytes). 4 MiB: per-chunk costs
-            (a message, a checksum launch) are noise at that size, and a resend after a failed
-            checksum is cheap.
+        chunk_bytes: size of one encoded segment before compaction (bytes). 1 MiB: the best of
+            the chunk sizes `ffstate bench bandwidth` sweeps (min of gRPC push and fetch
+            throughput on loopback); per-chunk costs are noise at that size and a resend is cheap.
         kernels: ``auto`` (Triton for CUDA tensors, the reference path for CPU tensors),
             ``triton`` (always; CPU tensors then need ``TRITON_INTERPRET=1``) or ``torch`` (always
             the reference path).
         codec_threads: threads of the CPU codec path; 0 means the number of cores, at most 8.
     """
 
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
     kernels: str = "auto"
     codec_threads: int = 0
 

@@ -6,7 +6,7 @@ from ffstate import Config
 
 
 def test_defaults_and_env_overrides(monkeypatch):
-    assert Config().kernels == "auto" and Config().chunk_bytes == 4 << 20
+    assert Config().kernels == "auto" and Config().chunk_bytes == 1 << 20
     monkeypatch.setenv("FFSTATE_CHUNK_BYTES", "65536")
     monkeypatch.setenv("FFSTATE_KERNELS", "torch")
     cfg = Config.from_env(codec_threads=3)

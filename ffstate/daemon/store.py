@@ -106,7 +106,7 @@ class IncomingChunk:
 class Store:
     """What one daemon holds of other nodes' ranks. Thread-safe."""
 
-    def __init__(self, budget_bytes: int, keep_deltas: int = 4, max_chunk_bytes: int = 64 << 20):
+    def __init__(self, budget_bytes: int, keep_deltas: int = 4, max_chunk_bytes: int = 32 << 20):
         self.budget = budget_bytes
         self.keep_deltas = keep_deltas
         self.max_chunk_bytes = max_chunk_bytes
