@@ -8,11 +8,14 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from daemons import TOKEN, held_version, wait_until
-from ffstate import codec
+from daemons import TOKEN, held_version, make_tls, wait_until
+from ffstate import codec, layout, shm
+from ffstate.client import Client, Tls, fetch_striped
 from ffstate.errors import ReplicaError, ReplicaUnavailable
 from helpers import assert_bitwise_equal
 
@@ -114,9 +117,22 @@ def test_idle_daemon_exits_by_itself(daemons):
     assert "idle" in d.log()
 
 
-def test_missing_daemon_is_a_clear_error():
-    from ffstate.client import Client
+def run_writer_tls(a, tls, tmp_path):
+    """An in-process writer over TLS (the writer script speaks plaintext): attach, commit 2 versions."""
+    from helpers import train_states
 
+    states = list(train_states(2))
+    manifest = layout.describe(states[0])
+    with Client(a.address, TOKEN, tls=tls) as c:
+        slots = shm.Slots(list(c.attach("j8", 0, 2, manifest).slot_paths), manifest)
+        for v, s in enumerate(states, 1):
+            slots.commit(s, v)
+            c.notify_commit("j8", 0, 2, v)
+        slots.close()
+    return None, states
+
+
+def test_missing_daemon_is_a_clear_error():
     with Client("127.0.0.1:1", TOKEN, timeout=1.0, retries=1) as c:
         with pytest.raises(ReplicaUnavailable, match="127.0.0.1:1"):
             c.inventory()
@@ -132,3 +148,33 @@ def test_status_prints_the_replica_table(pair, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "j6" in out.stdout and "local" in out.stdout and "replica" in out.stdout
     assert a.node_id in out.stdout and b.node_id in out.stdout
+
+
+def test_striped_fetch_from_two_holders(daemons, tmp_path):
+    b, c = daemons.start(), daemons.start()
+    a = daemons.start("--peer", b.address, "--peer", c.address)
+    _, states = run_writer(a, "j7", 3, tmp_path)
+    cb, cc = b.client(), c.client()
+    wait_until(lambda: held_version(cb, "j7", 0) == 3 and held_version(cc, "j7", 0) == 3, what="both holders at 3")
+    packed = fetch_striped([cb, cc], "j7", 0, 2, version=3)
+    assert len(packed.chunks) > 2
+    assert_bitwise_equal(codec.decode(packed), states[2])
+    c.kill()  # a holder gone: its stripe comes from the other
+    assert_bitwise_equal(codec.decode(fetch_striped([cc, cb], "j7", 0, 2, version=3)), states[2])
+
+
+def test_replication_over_mutual_tls_and_health(daemons, tmp_path):
+    tls, cert, key, ca = make_tls(tmp_path)
+    secure = ("--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(ca))
+    b = daemons.start(*secure, "--tls-client-ca", str(ca))
+    a = daemons.start(*secure[:4], "--peer", b.address, "--tls-ca", str(ca))
+    # Mutual TLS: B wants a client certificate, so A pushes with its own (it is signed by the CA).
+    proc, _ = run_writer_tls(a, tls, tmp_path)
+    client_tls = Tls(ca, cert=cert, key=key)
+    with Client(b.address, TOKEN, tls=client_tls) as cb:
+        wait_until(lambda: held_version(cb, "j8", 0) == 2, what="B at version 2 over mTLS")
+    with Client(b.address, TOKEN, tls=tls, timeout=2, retries=1) as no_cert, pytest.raises(ReplicaError):
+        no_cert.inventory()  # no client certificate: the handshake fails
+    with grpc.secure_channel(a.address, grpc.ssl_channel_credentials(ca.read_bytes())) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="ffstate.v1.Replica"))
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING

@@ -101,7 +101,9 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.cfg = cfg
         shm.check_id(cfg.node_id, "node id")
         self.store = Store(cfg.memory_limit or default_memory_limit(), cfg.keep_deltas, cfg.max_chunk_bytes)
-        tls = Tls(cfg.tls_ca) if cfg.tls_ca else None
+        # Pushing to TLS peers: verify them with --tls-ca, and present this daemon's own certificate
+        # (peers that run mutual TLS ask for one).
+        tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), cfg.peers, cfg.pacer)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
