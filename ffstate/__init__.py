@@ -4,7 +4,8 @@ The public names live here; everything else is importable by its module path (``
 """
 
 from ffstate.config import Config
-from ffstate.errors import CodecError, FFStateError
+from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
+from ffstate.trainer import replicate
 
-__all__ = ["CodecError", "Config", "FFStateError"]
+__all__ = ["CodecError", "Config", "FFStateError", "ReplicaError", "ReplicaUnavailable", "replicate"]
 __version__ = "0.1.0"

@@ -1,7 +1,5 @@
-"""The ``ffstate`` command line: ``serve`` (the replica daemon), ``status`` (what daemons hold), ``bench``.
-
-``demo`` arrives with the trainer (see the README's status table).
-"""
+"""The ``ffstate`` command line: ``serve`` (the replica daemon), ``status`` (what daemons hold), ``bench``
+(benchmarks) and ``demo`` (the main job, with failures)."""
 
 from __future__ import annotations
 
@@ -49,7 +47,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(host=args.host, port=args.port, node_id=args.node_id or ServeConfig().node_id, peers=args.peer,
                       memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
-                      idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes)
+                      idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes,
+                      exit_when_empty=args.exit_when_empty, pid_file=args.pid_file)
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
@@ -117,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--idle-exit", type=float, default=0.0, metavar="SECONDS",
                    help="exit after this long without a request or commit (default: never)")
+    p.add_argument("--exit-when-empty", action="store_true",
+                   help="exit once a Drop leaves nothing attached or held (how workers start a node's daemon)")
+    p.add_argument("--pid-file", type=Path, help="write the daemon's pid here (removed on exit)")
     p.add_argument("--keep-deltas", type=int, default=4, metavar="W",
                    help="deltas kept per replica, i.e. how far it can step back (default 4)")
     p.add_argument("--max-chunk-bytes", type=parse_bytes, default=32 << 20,
@@ -130,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", type=Path, help="CA of the daemons' certificates, when they use TLS")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
     p.set_defaults(run=cmd_status)
+
+    from ffstate import demo
+
+    p = sub.add_parser("demo", help="the main job: torchrun, a killed rank and node, recovery, bit-exact check")
+    demo.add_arguments(p)
+    p.set_defaults(run=demo.main)
 
     bench = sub.add_parser("bench", help="benchmarks; each writes JSON and a PNG under bench/results/")
     which = bench.add_subparsers(dest="benchmark", required=True)

@@ -91,6 +91,7 @@ class Client:
             self._channel = grpc.secure_channel(address, creds, options=options)
         ch = self._channel
         self._attach = ch.unary_unary(_SERVICE + "Attach", pb.AttachRequest.SerializeToString, pb.AttachResponse.FromString)
+        self._lookup = ch.unary_unary(_SERVICE + "Lookup", pb.ShardKey.SerializeToString, pb.AttachResponse.FromString)
         self._notify = ch.unary_unary(_SERVICE + "NotifyCommit", pb.CommitNotice.SerializeToString,
                                       pb.CommitNoticeAck.FromString)
         self._push = ch.stream_unary(_SERVICE + "Push", lambda b: b, pb.PushResult.FromString)
@@ -140,11 +141,21 @@ class Client:
 
     # ------------------------------------------------------------ local workers
 
-    def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0
-               ) -> pb.AttachResponse:
+    def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0,
+               holders: Sequence[str] = ()) -> pb.AttachResponse:
+        """Creates (or finds) the rank's slots; ``holders`` are where its replicas go (default: the daemon's peers)."""
         req = pb.AttachRequest(shard=shard(job_id, rank, world_size), manifest_json=manifest.to_json(),
-                               scalars_capacity=scalars_capacity)
+                               scalars_capacity=scalars_capacity, holders=list(holders))
         return self._call("attach", lambda: self._attach(req, **self._kw()))
+
+    def lookup(self, job_id: str, rank: int, world_size: int) -> pb.AttachResponse | None:
+        """What the node keeps of this rank (slots, manifest, committed versions), or None."""
+        try:
+            return self._call("lookup", lambda: self._lookup(shard(job_id, rank, world_size), **self._kw()))
+        except ReplicaError as e:
+            if e.code == "NOT_FOUND":
+                return None
+            raise
 
     def notify_commit(self, job_id: str, rank: int, world_size: int, version: int) -> None:
         req = pb.CommitNotice(shard=shard(job_id, rank, world_size), version=version)

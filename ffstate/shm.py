@@ -186,6 +186,12 @@ class Slots:
         self._set_seq(k, seq_odd + 1)  # even: committed
         return snap.checksum
 
+    def discard_newer(self, version: int) -> None:
+        """Un-commits every slot newer than ``version`` (the job stepped back to it: those steps are redone)."""
+        for v, k in self.committed():
+            if v > version:
+                self._set_seq(k, self._seq(k) + 1)  # odd: not committed, and a reader mid-way sees the change
+
     # ------------------------------------------------------------ daemon side
 
     def latest(self) -> SlotView | None:

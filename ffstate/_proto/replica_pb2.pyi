@@ -17,26 +17,32 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("shard", "manifest_json", "scalars_capacity")
+    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     SCALARS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     manifest_json: bytes
     scalars_capacity: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ...) -> None: ...
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("slot_paths", "slot_bytes", "node_id", "committed_version")
+    __slots__ = ("slot_paths", "slot_bytes", "node_id", "committed_version", "committed_versions", "manifest_json")
     SLOT_PATHS_FIELD_NUMBER: _ClassVar[int]
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     slot_paths: _containers.RepeatedScalarFieldContainer[str]
     slot_bytes: int
     node_id: str
     committed_version: int
-    def __init__(self, slot_paths: _Optional[_Iterable[str]] = ..., slot_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., committed_version: _Optional[int] = ...) -> None: ...
+    committed_versions: _containers.RepeatedScalarFieldContainer[int]
+    manifest_json: bytes
+    def __init__(self, slot_paths: _Optional[_Iterable[str]] = ..., slot_bytes: _Optional[int] = ..., node_id: _Optional[str] = ..., committed_version: _Optional[int] = ..., committed_versions: _Optional[_Iterable[int]] = ..., manifest_json: _Optional[bytes] = ...) -> None: ...
 
 class CommitNotice(_message.Message):
     __slots__ = ("shard", "version")

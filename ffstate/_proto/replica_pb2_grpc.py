@@ -39,6 +39,11 @@ class ReplicaStub:
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.AttachRequest.SerializeToString,
                 response_deserializer=ffstate_dot_v1_dot_replica__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/ffstate.v1.Replica/Lookup',
+                request_serializer=ffstate_dot_v1_dot_replica__pb2.ShardKey.SerializeToString,
+                response_deserializer=ffstate_dot_v1_dot_replica__pb2.AttachResponse.FromString,
+                _registered_method=True)
         self.NotifyCommit = channel.unary_unary(
                 '/ffstate.v1.Replica/NotifyCommit',
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.CommitNotice.SerializeToString,
@@ -82,6 +87,14 @@ class ReplicaServicer:
     def Attach(self, request, context):
         """A local worker announces itself and the layout of its state; the daemon creates (or finds)
         the rank's two shared-memory slots and says where they are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Lookup(self, request, context):
+        """What is attached for a rank (slots, manifest, committed versions), without attaching: how a
+        restarted worker learns what its node kept before its own state has the right layout.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,6 +159,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.AttachRequest.FromString,
                     response_serializer=ffstate_dot_v1_dot_replica__pb2.AttachResponse.SerializeToString,
             ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=ffstate_dot_v1_dot_replica__pb2.ShardKey.FromString,
+                    response_serializer=ffstate_dot_v1_dot_replica__pb2.AttachResponse.SerializeToString,
+            ),
             'NotifyCommit': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyCommit,
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.CommitNotice.FromString,
@@ -208,6 +226,33 @@ class Replica:
             target,
             '/ffstate.v1.Replica/Attach',
             ffstate_dot_v1_dot_replica__pb2.AttachRequest.SerializeToString,
+            ffstate_dot_v1_dot_replica__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ffstate.v1.Replica/Lookup',
+            ffstate_dot_v1_dot_replica__pb2.ShardKey.SerializeToString,
             ffstate_dot_v1_dot_replica__pb2.AttachResponse.FromString,
             options,
             channel_credentials,

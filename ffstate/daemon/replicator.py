@@ -73,6 +73,7 @@ class LocalShard:
     base: Snapshot | None = None  # the daemon's copy of the newest pushed version
     base_version: int = 0
     wake: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     pushed_bytes: int = 0
@@ -103,8 +104,17 @@ class Replicator:
                                         daemon=True)
         shard.thread.start()
 
-    def holders(self) -> list[Holder]:
-        return [Holder(p, self.make_client(p)) for p in self.peers]
+    def holders(self, addresses: list[str] | None = None) -> list[Holder]:
+        return [Holder(p, self.make_client(p)) for p in (self.peers if addresses is None else addresses)]
+
+    def reset(self, shard: LocalShard, addresses: list[str] | None = None) -> None:
+        """Forgets what the holders have (a worker re-attached, e.g. after stepping back): full versions next."""
+        with shard.lock:
+            old = shard.holders
+            shard.holders = self.holders(addresses)
+            shard.base, shard.base_version = None, 0
+        for h in old:
+            h.client.close()
 
     def stop(self, shard: LocalShard, wait: float = 5.0) -> None:
         shard.stop.set()
@@ -124,7 +134,8 @@ class Replicator:
             shard.wake.wait(self.poll_interval)
             shard.wake.clear()
             try:
-                self._round(shard)
+                with shard.lock:
+                    self._round(shard)
             except Exception:  # a bug here must not silently stop replication of this rank
                 log.exception("replication round of %s failed; retrying", shard.key)
                 time.sleep(0.5)

@@ -51,6 +51,8 @@ class ServeConfig:
     tls_client_ca: Path | None = None  # require client certificates signed by this CA (mutual TLS)
     tls_ca: Path | None = None  # the CA to verify peers' certificates when pushing to them
     idle_exit: float = 0.0  # seconds; 0: never
+    exit_when_empty: bool = False  # exit once a Drop leaves nothing attached or held (auto-started daemons)
+    pid_file: Path | None = None
     keep_deltas: int = 4  # W: versions a replica can be stepped back
     max_chunk_bytes: int = 32 << 20
     scalars_capacity: int = shm.DEFAULT_SCALARS_CAPACITY
@@ -110,6 +112,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.last_activity = time.monotonic()
         self.server: grpc.Server | None = None
         self.port = 0
+        self.done = threading.Event()
 
     # ------------------------------------------------------------ helpers
 
@@ -139,6 +142,7 @@ class Daemon(pb_grpc.ReplicaServicer):
                                "INVALID_ARGUMENT")
         manifest = Manifest.from_json(request.manifest_json)
         cap = request.scalars_capacity or self.cfg.scalars_capacity
+        holders = list(request.holders) or None
         with self._lock:
             shard = self.local.get(key)
             if shard is not None:
@@ -147,15 +151,30 @@ class Daemon(pb_grpc.ReplicaServicer):
                         f"{key} is attached with layout {shard.manifest.layout_id}; this worker's state has layout "
                         f"{manifest.layout_id} (a different model?). Drop the job first or use another job id",
                         "FAILED_PRECONDITION")
-                log.info("worker re-attached to %s (slots %s)", key, [str(p) for p in shard.paths])
+                self.replicator.reset(shard, holders)
+                log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
+                         [h.address for h in shard.holders])
             else:
-                shard = self._create_local(key, manifest, cap)
+                shard = self._create_local(key, manifest, cap, holders)
+        return self._describe(shard)
+
+    def _describe(self, shard: LocalShard) -> pb.AttachResponse:
         done = shard.slots.committed()
         return pb.AttachResponse(slot_paths=[str(p) for p in shard.paths], node_id=self.cfg.node_id,
-                                 slot_bytes=shm.slot_size(manifest, shard.slots.scalars_capacity),
-                                 committed_version=done[0][0] if done else 0)
+                                 slot_bytes=shm.slot_size(shard.manifest, shard.slots.scalars_capacity),
+                                 committed_version=done[0][0] if done else 0,
+                                 committed_versions=[v for v, _ in done], manifest_json=shard.manifest.to_json())
 
-    def _create_local(self, key: ShardKey, manifest: Manifest, cap: int) -> LocalShard:
+    def Lookup(self, request: pb.ShardKey, context: grpc.ServicerContext) -> pb.AttachResponse:
+        def run() -> pb.AttachResponse:
+            shard = self.local.get(_key(request))
+            if shard is None:
+                raise ReplicaError(f"{_key(request)} is not attached to node {self.cfg.node_id}", "NOT_FOUND")
+            return self._describe(shard)
+
+        return self._guard(context, run)
+
+    def _create_local(self, key: ShardKey, manifest: Manifest, cap: int, holders: list[str] | None) -> LocalShard:
         size = 2 * shm.slot_size(manifest, cap) + manifest.nbytes  # two slots and the base copy
         self.store.reserve(size, f"the slots of {key}")
         paths = shm.slot_paths(self.cfg.node_id, key.job_id, key.rank, key.world_size)
@@ -167,11 +186,11 @@ class Daemon(pb_grpc.ReplicaServicer):
             shm.remove_slots(paths)
             self.store.release(size)
             raise
-        shard = LocalShard(key, manifest, slots, self.replicator.holders(), size)
+        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size)
         self.local[key] = shard
         self.replicator.start(shard)
         log.info("attached %s: %d-byte state, slots %s, replicating to %s", key, manifest.nbytes,
-                 [str(p) for p in paths], self.cfg.peers or "nobody (no --peer)")
+                 [str(p) for p in paths], [h.address for h in shard.holders] or "nobody")
         return shard
 
     def NotifyCommit(self, request: pb.CommitNotice, context: grpc.ServicerContext) -> pb.CommitNoticeAck:
@@ -279,6 +298,9 @@ class Daemon(pb_grpc.ReplicaServicer):
                 shards = [self.local.pop(k) for k in gone]
             for s in shards:
                 self._close_local(s)
+            if self.cfg.exit_when_empty and not self.local and not self.store.inventory():
+                log.info("nothing attached or held after the drop (--exit-when-empty): exiting")
+                self.done.set()
             return pb.DropResult(dropped=n + len(shards))
 
         return self._guard(context, run)
@@ -324,6 +346,8 @@ class Daemon(pb_grpc.ReplicaServicer):
         handlers = {
             "Attach": grpc.unary_unary_rpc_method_handler(self.Attach, pb.AttachRequest.FromString,
                                                           pb.AttachResponse.SerializeToString),
+            "Lookup": grpc.unary_unary_rpc_method_handler(self.Lookup, pb.ShardKey.FromString,
+                                                          pb.AttachResponse.SerializeToString),
             "NotifyCommit": grpc.unary_unary_rpc_method_handler(self.NotifyCommit, pb.CommitNotice.FromString,
                                                                 pb.CommitNoticeAck.SerializeToString),
             "Push": grpc.stream_unary_rpc_method_handler(self.Push, pb.PushChunk.FromString,
@@ -356,9 +380,11 @@ def serve(cfg: ServeConfig, ready: Callable[[int], None] | None = None) -> int:
     """Runs a daemon until SIGTERM/SIGINT or the idle timeout; returns the exit code."""
     daemon = Daemon(cfg)
     port = daemon.start()
+    if cfg.pid_file:
+        cfg.pid_file.write_text(f"{os.getpid()}\n")
     if ready is not None:
         ready(port)
-    done = threading.Event()
+    done = daemon.done
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     while not done.wait(0.5):
@@ -366,4 +392,6 @@ def serve(cfg: ServeConfig, ready: Callable[[int], None] | None = None) -> int:
             log.info("idle for %.0fs (--idle-exit): exiting", cfg.idle_exit)
             break
     daemon.stop()
+    if cfg.pid_file:
+        cfg.pid_file.unlink(missing_ok=True)
     return 0

@@ -1,0 +1,138 @@
+"""The main job, as a torchrun worker: TinyGPT under DDP with a ZeRO-sharded AdamW, wrapped in
+``ffstate.replicate``, with failures injected on request.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FFSTATE_SIMULATED_NODES=2 \\
+        torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo_worker --out DIR [--steps 40]
+        [--kill-rank R --kill-step S] [--kill-node N --kill-node-step S] [--no-ffstate]
+
+``--kill-rank`` SIGKILLs rank R right after it commits step S; ``--kill-node`` SIGKILLs node N's
+daemon and every rank of node N after step S. Each failure happens once (a marker file in DIR).
+At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
+``ffstate demo`` (``ffstate/demo.py``) runs this twice and compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ffstate
+from ffstate.models import TinyGPT
+
+log = logging.getLogger("ffstate.demo")
+MODEL = dict(vocab=256, dim=128, heads=4, layers=2, seq=64)
+BATCH = 8
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """The data: a pure function of (step, rank), so the data position is the step."""
+    g = torch.Generator().manual_seed(1_000_003 * step + rank)
+    return torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq"] + 1), generator=g)
+
+
+def once(marker: Path) -> bool:
+    """True the first time (creates the marker): a failure is injected once, not at every restart."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def kill_daemon(node: int) -> None:
+    """SIGKILLs simulated node ``node``'s daemon (found by the pid file it writes)."""
+    job = ffstate.trainer._job_id(ffstate.Config.from_env())
+    pid_file = Path(tempfile.gettempdir()) / f"ffstate-{job}" / f"daemon-node{node}.pid"
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--kill-rank", type=int, default=-1)
+    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--kill-node", type=int, default=-1)
+    p.add_argument("--kill-node-step", type=int, default=0)
+    p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
+    a.out.mkdir(parents=True, exist_ok=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = DDP(TinyGPT(**MODEL))
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
+    extra = {"epoch": 0, "samples_seen": 0}
+    per_node = world // int(os.environ.get("FFSTATE_SIMULATED_NODES", "1") or 1)
+
+    def step_fn(step: int) -> None:
+        loss = _loss(model, batch(step, rank))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        extra["samples_seen"] += BATCH * world
+
+    if a.no_ffstate:
+        for step in range(a.steps):
+            step_fn(step)
+    else:
+        with ffstate.replicate(model, opt, lr_scheduler=sched, extra=extra) as ff:
+            for step in range(ff.start_step, a.steps):
+                step_fn(step)
+                ff.commit(step + 1)
+                if rank == a.kill_rank and step + 1 == a.kill_step and once(a.out / "killed-rank"):
+                    _note(a.out, {"failure": "rank", "rank": rank, "after_step": step + 1, "time": time.time()})
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if step + 1 == a.kill_node_step and a.kill_node >= 0:
+                    _maybe_kill_node(a, rank, per_node, step + 1)
+    final = {"params": dict(model.module.state_dict()), "optim": opt.optim.state_dict(), "extra": dict(extra)}
+    torch.save(final, a.out / f"final-rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _maybe_kill_node(a: argparse.Namespace, rank: int, per_node: int, step: int) -> None:
+    """Once: every rank has committed ``step``; then node ``a.kill_node`` loses its daemon and its ranks."""
+    marker = a.out / "killed-node"
+    due = not marker.exists()
+    dist.barrier()
+    if not due:
+        return
+    mine = rank // per_node == a.kill_node
+    if mine and rank % per_node == 0:
+        marker.touch()
+        _note(a.out, {"failure": "node", "node": a.kill_node, "after_step": step, "time": time.time()})
+    dist.barrier()
+    if mine:
+        if rank % per_node == 0:
+            kill_daemon(a.kill_node)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _loss(model: DDP, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def _note(out: Path, event: dict) -> None:
+    with open(out / "failures.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+if __name__ == "__main__":
+    main()

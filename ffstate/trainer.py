@@ -1,0 +1,414 @@
+"""``ffstate.replicate(model, optimizer, ...)``: the context manager around a training loop.
+
+On entry it finds (or starts) the node's daemon, negotiates the consistent version v* with the
+other ranks (I3), restores model, optimizer, LR scheduler, RNG states and extras bit for bit when
+replicas exist, and sets ``start_step``. ``commit(step)`` packs the state into the rank's
+shared-memory slot (one copy) and returns; the daemon replicates it. A clean exit waits for the
+replicas (bounded) and tells the daemons the job is over. This is the one place that ties capture,
+codec, placement, recovery and the daemons together; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ffstate import layout, placement, recovery, shm
+from ffstate.client import Client
+from ffstate.config import Config
+from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
+
+log = logging.getLogger("ffstate.trainer")
+
+
+def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
+              extra: dict | None = None, config: Config | None = None) -> "Replicated":
+    """Replicates a training job's state to peers and restores it after a restart.
+
+    Args:
+        model: the model (plain, DDP-wrapped, ...); its ``state_dict()`` is captured and restored in place.
+        optimizer: its optimizer; a ``ZeroRedundancyOptimizer`` is captured per rank (its shard and
+            its own ``param_groups``).
+        lr_scheduler: optional; anything with ``state_dict``/``load_state_dict``.
+        extra: optional dict of plain values and tensors (e.g. the data loader's position), captured
+            at each commit and updated in place on restore.
+        config: knobs; default ``Config.from_env()`` (``FFSTATE_*`` variables).
+
+    Returns:
+        The context manager; use ``with ... as ff`` and ``ff.start_step`` / ``ff.commit(step)``.
+    """
+    return Replicated(model, optimizer, lr_scheduler, extra, config or Config.from_env())
+
+
+class Replicated:
+    """See ``replicate``. Attributes after entry: ``start_step``, ``restored`` (a ``recovery.Restored``
+    or None), ``topology``, ``extra``."""
+
+    def __init__(self, model, optimizer, lr_scheduler, extra, cfg: Config):
+        self.model, self.optimizer, self.lr_scheduler, self.extra, self.cfg = model, optimizer, lr_scheduler, extra, cfg
+        self.start_step = 0
+        self.restored: recovery.Restored | None = None
+        self._slots: shm.Slots | None = None
+        self._manifest: layout.Manifest | None = None
+        self._last = 0
+        self._replicated = 0
+        self._clients: dict[str, Client] = {}
+        self._t0 = time.perf_counter()
+
+    # ------------------------------------------------------------ entry and exit
+
+    def __enter__(self) -> "Replicated":
+        cfg = self.cfg
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+            self._store = dist.distributed_c10d._get_default_store()
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise FFStateError("WORLD_SIZE > 1 but no process group: call torch.distributed.init_process_group() "
+                               "before ffstate.replicate(...)")
+        else:
+            rank, world, self._store = 0, 1, None
+        _warn_about_torchrun_restarts()
+        self.rank, self.world = rank, world
+        self.job = _job_id(cfg)
+        self.token = cfg.token or _default_token()
+        self.topology = placement.topology(rank, world, cfg)
+        self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self._prefix = f"ffstate/{self.job}/{self._attempt}"
+        self._run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
+        self._run_dir.mkdir(exist_ok=True)
+        self.daemon = self._node_daemon()
+        self.holders = self._holder_addresses()
+        self._restore()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:  # torchrun restarts the group: leave every copy where it is
+            log.warning("rank %d: leaving with %s; replicas kept for the restart", self.rank, exc_type.__name__)
+            self._close()
+            return
+        self._wait_replicated(self.cfg.exit_timeout)
+        self._barrier("exit")
+        if self.topology.first_on_node:
+            try:
+                self.daemon.drop(self.job)
+            except ReplicaError as e:
+                log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
+        self._close()
+
+    def _close(self) -> None:
+        if self._slots is not None:
+            self._slots.close()
+        for c in self._clients.values():
+            c.close()
+
+    # ------------------------------------------------------------ the training loop's side
+
+    def commit(self, step: int) -> None:
+        """Captures the state after ``step`` into shared memory; once this returns it survives this process.
+
+        Raises:
+            FFStateError: ``step`` is not larger than the last committed one.
+        """
+        if step <= self._last:
+            raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase")
+        state = self._capture()
+        if self._slots is None:
+            self._attach(state)
+        self._slots.commit(state, step)
+        self._last = step
+        if self.holders and step - self._replicated > self.cfg.max_lag:
+            self._lag(step)
+
+    def _lag(self, step: int) -> None:
+        self._replicated = self._replicated_version()
+        behind = step - self._replicated
+        if behind <= self.cfg.max_lag:
+            return
+        if self.cfg.lag_policy == "skip":
+            log.warning("rank %d: replication is %d versions behind (max_lag %d); policy skip: the daemon jumps to "
+                        "the newest version", self.rank, behind, self.cfg.max_lag)
+            return
+        start = time.perf_counter()
+        self._wait_replicated(timeout=None, within=self.cfg.max_lag)
+        log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions (policy block)",
+                    self.rank, step, time.perf_counter() - start, self.cfg.max_lag)
+
+    # ------------------------------------------------------------ capture and restore
+
+    def _capture(self) -> dict:
+        state = {"model": self.model.state_dict(), "optim": _optimizer_state(self.optimizer), "rng": _rng_state()}
+        if self.lr_scheduler is not None:
+            state["sched"] = self.lr_scheduler.state_dict()
+        if self.extra is not None:
+            state["extra"] = self.extra
+        return state
+
+    def _apply(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])  # copy_ into the parameters: their identity is kept
+        _load_optimizer(self.optimizer, state["optim"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(state["sched"])
+        if self.extra is not None:
+            self.extra.clear()
+            self.extra.update(state["extra"])
+        _set_rng_state(state["rng"])
+
+    def _restore(self) -> None:
+        local = self.daemon.lookup(self.job, self.rank, self.world)
+        holders = {a: self._client(a) for a in self.holders}
+        mine = recovery.survey(self.job, self.rank, self.world, local, holders)
+        if self._store is None:
+            v, last = (max(mine.versions), max(mine.versions)) if mine.versions else (0, 0)
+        else:
+            v, last, _ = recovery.negotiate(self._store, self._prefix, self.rank, self.world, mine)
+        if v == 0:
+            log.info("rank %d: no replicas of job %s: starting at step 0", self.rank, self.job)
+            return
+        got = recovery.fetch(self.job, self.rank, self.world, v, mine, local, holders, last)
+        self._apply(got.state)
+        got.state = None
+        self.restored, self.start_step, self._last, self._replicated = got, v, v, v  # slots past v* go at attach
+        if self.cfg.shadow_ddp_step and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            _shadow_step_on_first_forward(self.model)
+        elapsed = time.perf_counter() - self._t0
+        log.info("rank %d: restored step %d (v*) of job %s from %s: %d steps lost, %.1f MB in %.3fs "
+                 "(%.1f MB/s); %.2fs from entry", self.rank, v, self.job, got.source, got.steps_lost, got.nbytes / 1e6,
+                 got.seconds, got.nbytes / 1e6 / max(got.seconds, 1e-9), elapsed)
+        self._record({"event": "restored", "rank": self.rank, "version": v, "last_version": last,
+                      "steps_lost": got.steps_lost, "source": got.source, "bytes": got.nbytes,
+                      "restore_seconds": got.seconds, "entry_seconds": elapsed,
+                      "attempt": int(self._attempt)})
+
+    def _attach(self, state: dict) -> None:
+        self._manifest = layout.describe(state)
+        resp = self.daemon.attach(self.job, self.rank, self.world, self._manifest, holders=self.holders)
+        self._slots = shm.Slots(list(resp.slot_paths), self._manifest)
+        self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
+
+    # ------------------------------------------------------------ daemons
+
+    def _client(self, address: str) -> Client:
+        if address not in self._clients:
+            self._clients[address] = Client(address, self.token, timeout=30.0)
+        return self._clients[address]
+
+    def _node_daemon(self) -> Client:
+        """This node's daemon: found, or started by the node's first rank, and its address published."""
+        topo, cfg = self.topology, self.cfg
+        address = placement.daemon_address(topo.node, cfg)
+        client = self._client(address)
+        if topo.first_on_node and not _answers(client) and cfg.start_daemon:
+            self._start_daemon(topo.node_id, address)
+        deadline = time.monotonic() + cfg.connect_timeout
+        while True:
+            try:
+                client.inventory(self.job)
+                break
+            except ReplicaUnavailable:
+                if time.monotonic() > deadline:
+                    raise ReplicaUnavailable(f"rank {self.rank}: no ffstate daemon answers at {address} for node "
+                                             f"{topo.node_id}; run `ffstate serve --port {address.rsplit(':', 1)[1]}` "
+                                             "on it, or leave Config.start_daemon on") from None
+                time.sleep(0.2)
+            except ReplicaError as e:
+                if e.code == "UNAUTHENTICATED":
+                    raise ReplicaError(f"the daemon at {address} belongs to another job or token ({e}); set "
+                                       "FFSTATE_TOKEN to the job's token or FFSTATE_BASE_PORT to free ports",
+                                       e.code) from None
+                raise
+        if self._store is not None:
+            self._store.set(f"{self._prefix}/daemon/{topo.node}", address)
+        return client
+
+    def _start_daemon(self, node_id: str, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        log_path = self._run_dir / f"daemon-{node_id}.log"
+        args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--host", host, "--port", port,
+                "--exit-when-empty", "--idle-exit", str(self.cfg.daemon_idle_exit),
+                "--pid-file", str(self._run_dir / f"daemon-{node_id}.pid"), "--keep-deltas", str(self.cfg.max_lag)]
+        if self.cfg.daemon_memory_limit:
+            args += ["--memory-limit", self.cfg.daemon_memory_limit]
+        with open(log_path, "a") as out:
+            # A session of its own: the daemon outlives this worker and torchrun's restarts of it.
+            subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                             env={**os.environ, "FFSTATE_TOKEN": self.token}, close_fds=True)
+        log.info("rank %d: started the daemon of %s at %s (log %s)", self.rank, node_id, address, log_path)
+
+    def _holder_addresses(self) -> list[str]:
+        topo = self.topology
+        nodes = placement.holder_nodes(topo.node, topo.num_nodes, self.cfg.replicas)
+        if self._store is None:
+            return [placement.daemon_address(n, self.cfg) for n in nodes]
+        keys = [f"{self._prefix}/daemon/{n}" for n in nodes]
+        if keys:
+            self._store.wait(keys, recovery._timedelta(self.cfg.connect_timeout * 2))
+        return [self._store.get(k).decode() for k in keys]
+
+    def _replicated_version(self) -> int:
+        resp = self.daemon.inventory(self.job)
+        mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
+        return mine[0].replicated_version if mine else 0
+
+    def _wait_replicated(self, timeout: float | None, within: int = 0) -> None:
+        if not self.holders or self._slots is None:
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._replicated = self._replicated_version()
+            if self._last - self._replicated <= within:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("rank %d: replicas are at step %d, the last commit is %d (gave up after %.0fs)", self.rank,
+                            self._replicated, self._last, timeout)
+                return
+            time.sleep(0.01)
+
+    def _barrier(self, name: str) -> None:
+        if self._store is not None:
+            key = f"{self._prefix}/barrier/{name}"
+            self._store.add(key, 1)
+            deadline = time.monotonic() + self.cfg.exit_timeout
+            while int(self._store.add(key, 0)) < self.world and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def _record(self, event: dict) -> None:
+        """Appends an event (restore, ...) to the job's run folder, for the demo and for operators."""
+        with open(self._run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _answers(client: Client) -> bool:
+    try:
+        client.inventory()
+        return True
+    except ReplicaUnavailable:
+        return False
+    except ReplicaError:
+        return True  # someone answers (maybe with another token): reported by the caller
+
+
+def _job_id(cfg: Config) -> str:
+    raw = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or "ffstate-job"
+    if raw == "none":
+        raw = "ffstate-job"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:128]
+
+
+def _default_token() -> str:
+    """$FFSTATE_TOKEN, else a per-user secret (created once, mode 0600): enough on one machine."""
+    token = os.environ.get("FFSTATE_TOKEN")
+    if token:
+        return token
+    path = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "ffstate" / "token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16))
+    except FileExistsError:
+        pass
+    for _ in range(50):  # another rank may be writing it right now
+        token = path.read_text().strip()
+        if token:
+            return token
+        time.sleep(0.02)
+    raise FFStateError(f"{path} is empty: remove it, or set FFSTATE_TOKEN")
+
+
+def _warn_about_torchrun_restarts() -> None:
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        log.warning("torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: after a restart, gloo's "
+                    "init_process_group hangs or fails ('Gloo connectFullMesh failed', pytorch/pytorch#135712). "
+                    "Launch as: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")
+
+
+def _optimizer_state(opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        # The rank's shard, and ZeRO's own param_groups (LR schedulers write the learning rate there).
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"shard": opt.optim.state_dict(), "groups": groups}
+    return opt.state_dict()
+
+
+def _load_optimizer(opt: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt.optim.load_state_dict(state["shard"])
+        for group, saved in zip(opt.param_groups, state["groups"]):
+            group.update(saved)
+        return
+    opt.load_state_dict(state)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _shadow_step_on_first_forward(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Makes the first forward after a restore run one shadow forward/backward first (see Config).
+
+    DDP buckets gradients in a provisional layout until its first backward, then rebuilds them in
+    the order the gradients became ready; the layout decides how the all-reduce sums. A run that
+    never stopped has rebuilt buckets at every step after its first. The shadow step (same batch,
+    RNG and buffers put back, gradients dropped) gives the restored run the same layout.
+    """
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        rng = _rng_state()
+        buffers = [b.detach().clone() for b in module.buffers()]
+        with torch.enable_grad():
+            out = module(*args, **kwargs)
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if leaves:
+                torch.stack([t.float().sum() for t in leaves]).sum().backward()
+        for p in module.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+        _set_rng_state(rng)
+        log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
+
+    handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
