@@ -100,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(160, Console().width))
     out = Path(args.out or tempfile.mkdtemp(prefix="ffstate-demo-"))
     failing, reference = out / "with-failures", out / "reference"
     for d in (failing, reference):
@@ -128,18 +128,25 @@ def main(args: argparse.Namespace) -> int:
     step_time = t_ref / args.steps
     save_s, load_s, ckpt_bytes = checkpoint_baseline(reference / "final-rank0.pt")
 
-    table = Table(title="failures and recoveries")
-    for col in ("failure", "after step", "rank", "v*", "steps lost", "restore", "source", f"torch.save every "
-                f"{args.ckpt_every}: lost / reload"):
+    table = Table(title="failures and recoveries (ffstate vs a torch.save checkpoint every "
+                        f"{args.ckpt_every} steps)")
+    for col in ("failure", "hit after step", "v*", "steps lost", "restore (max over ranks)", "restored from",
+                "checkpoint: steps lost", "checkpoint: reload"):
         table.add_column(col)
+    nodes = {f"{args.host}:{args.base_port + n}": f"replica on node{n}" for n in range(2)}
     for i, f in enumerate(failures):
-        what = f"rank {f['rank']} SIGKILL" if f["failure"] == "rank" else f"node {f['node']} (2 ranks + daemon)"
+        what = f"rank {f['rank']} SIGKILLed" if f["failure"] == "rank" else f"node {f['node']}: 2 ranks + daemon"
+        mine = sorted((e for e in events if e["attempt"] == i + 1), key=lambda e: e["rank"])
+        by_source: dict[str, list[str]] = {}
+        for e in mine:
+            src = nodes.get(e["source"], e["source"].replace("local slots of ", "") + " slots")
+            by_source.setdefault(src, []).append(str(e["rank"]))
+        sources = "; ".join(f"ranks {','.join(r)}: {s}" for s, r in by_source.items())
         lost_ckpt = f["after_step"] % args.ckpt_every
-        for e in sorted((e for e in events if e["attempt"] == i + 1), key=lambda e: e["rank"]):
-            table.add_row(what, str(f["after_step"]), str(e["rank"]), str(e["version"]), str(e["steps_lost"]),
-                          f"{e['restore_seconds'] * 1e3:.0f} ms", e["source"],
-                          f"{lost_ckpt} steps ({lost_ckpt * step_time:.1f}s) / {load_s * 1e3:.0f} ms")
-            what = ""
+        table.add_row(what, str(f["after_step"]), ",".join(sorted({str(e["version"]) for e in mine})),
+                      ",".join(sorted({str(e["steps_lost"]) for e in mine})),
+                      f"{max(e['restore_seconds'] for e in mine) * 1e3:.0f} ms", sources,
+                      f"{lost_ckpt} ({lost_ckpt * step_time:.1f}s)", f"{load_s * 1e3:.0f} ms")
     console.print(table)
     diffs = compare(failing, reference, 4)
     if diffs:
@@ -161,8 +168,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-rank", type=int, default=1, help="the rank SIGKILLed first (default 1)")
     p.add_argument("--kill-step", type=int, default=8, help="...right after committing this step (default 8)")
     p.add_argument("--kill-node", type=int, default=1, help="the simulated node killed second (default 1)")
-    p.add_argument("--kill-node-step", type=int, default=20, help="...after this step (default 20)")
+    p.add_argument("--kill-node-step", type=int, default=23, help="...after this step (default 23)")
     p.add_argument("--ckpt-every", type=int, default=10, help="the torch.save baseline's cadence (default 10)")
     p.add_argument("--base-port", type=int, default=7700, help="node n's daemon listens on this + n (default 7700)")
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=float, default=900, help="seconds per torchrun (default 900)")
     p.add_argument("--out", help="folder for logs and final states (default: a new temporary folder)")
