@@ -1,0 +1,51 @@
+"""One process, no torchrun: train with ffstate.replicate, optionally SIGKILL after a commit.
+
+    python tests/procs/single.py OUT STEPS [--kill-after S]
+
+Prints "start S" (the step it resumed at) and writes OUT/final.pt at the end.
+"""
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ffstate  # noqa: E402
+from ffstate.models import TinyGPT  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("steps", type=int)
+    p.add_argument("--kill-after", type=int, default=0)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3, gamma=0.5)
+    extra = {"seen": 0}
+    with ffstate.replicate(model, opt, lr_scheduler=sched, extra=extra) as ff:
+        print(f"start {ff.start_step}", flush=True)
+        for step in range(ff.start_step, a.steps):
+            x = torch.randint(0, 96, (4, 33))
+            loss = model.loss(x) + 0.0 * torch.rand(())  # the RNG is part of the state
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            extra["seen"] += 4
+            ff.commit(step + 1)
+            if step + 1 == a.kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+                "extra": extra, "rng": torch.get_rng_state()}, a.out / "final.pt")
+
+
+if __name__ == "__main__":
+    main()
