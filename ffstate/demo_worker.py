@@ -3,10 +3,14 @@
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FFSTATE_SIMULATED_NODES=2 \\
         torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo_worker --out DIR [--steps 40]
-        [--kill-rank R --kill-step S] [--kill-node N --kill-node-step S] [--no-ffstate]
+        [--kill-rank R --kill-step S [--kill-phase after-commit|mid-step|mid-commit]]
+        [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--no-ffstate]
 
-``--kill-rank`` SIGKILLs rank R right after it commits step S; ``--kill-node`` SIGKILLs node N's
-daemon and every rank of node N after step S. Each failure happens once (a marker file in DIR).
+``--kill-rank`` SIGKILLs rank R at step S: right after its commit (default), in the middle of the
+step (after backward, before the optimizer step), or in the middle of the commit (the slot half
+written). ``--kill-node`` SIGKILLs node N's daemon and every rank of node N after step S.
+``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. Each failure
+happens once (a marker file in DIR).
 At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
 ``ffstate demo`` (``ffstate/demo.py``) runs this twice and compares.
 """
@@ -64,6 +68,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--kill-rank", type=int, default=-1)
     p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--kill-phase", choices=("after-commit", "mid-step", "mid-commit"), default="after-commit")
+    p.add_argument("--kill-daemon", type=int, default=-1)
+    p.add_argument("--kill-daemon-step", type=int, default=0)
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
@@ -79,10 +86,22 @@ def main() -> None:
     extra = {"epoch": 0, "samples_seen": 0}
     per_node = world // int(os.environ.get("FFSTATE_SIMULATED_NODES", "1") or 1)
 
+    def kill_me(step: int, phase: str) -> bool:
+        return (rank == a.kill_rank and step == a.kill_step and a.kill_phase == phase
+                and once(a.out / "killed-rank"))
+
+    def die(step: int) -> None:
+        _note(a.out, {"failure": "rank", "rank": rank, "after_step": step, "phase": a.kill_phase, "time": time.time()})
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def step_fn(step: int) -> None:
         loss = _loss(model, batch(step, rank))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if kill_me(step + 1, "mid-step"):
+            die(step)
+        if kill_me(step + 1, "mid-commit"):
+            _die_inside_the_next_commit(lambda: die(step))
         opt.step()
         sched.step()
         extra["samples_seen"] += BATCH * world
@@ -95,9 +114,13 @@ def main() -> None:
             for step in range(ff.start_step, a.steps):
                 step_fn(step)
                 ff.commit(step + 1)
-                if rank == a.kill_rank and step + 1 == a.kill_step and once(a.out / "killed-rank"):
-                    _note(a.out, {"failure": "rank", "rank": rank, "after_step": step + 1, "time": time.time()})
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if kill_me(step + 1, "after-commit"):
+                    die(step + 1)
+                if (step + 1 == a.kill_daemon_step and rank // per_node == a.kill_daemon and rank % per_node == 0
+                        and once(a.out / "killed-daemon")):
+                    _note(a.out, {"failure": "daemon", "node": a.kill_daemon, "after_step": step + 1,
+                                  "time": time.time()})
+                    kill_daemon(a.kill_daemon)
                 if step + 1 == a.kill_node_step and a.kill_node >= 0:
                     _maybe_kill_node(a, rank, per_node, step + 1)
     final = {"params": dict(model.module.state_dict()), "optim": opt.optim.state_dict(), "extra": dict(extra)}
@@ -122,6 +145,20 @@ def _maybe_kill_node(a: argparse.Namespace, rank: int, per_node: int, step: int)
         if rank % per_node == 0:
             kill_daemon(a.kill_node)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_inside_the_next_commit(die) -> None:
+    """The next commit writes the whole slot, clobbers half of it, and dies before publishing it."""
+    from ffstate import codec
+
+    real = codec.pack_into
+
+    def torn(state, out, manifest=None):
+        real(state, out, manifest)
+        out[: out.numel() // 2].zero_()
+        die()
+
+    codec.pack_into = torn
 
 
 def _loss(model: DDP, idx: torch.Tensor) -> torch.Tensor:

@@ -51,14 +51,30 @@ class Restored:
         return self.last_version - self.version
 
 
-def survey(job: str, rank: int, world: int, local: pb.AttachResponse | None, holders: dict[str, Client]) -> Available:
-    """The versions this rank could restore: its node's slots, then each reachable holder."""
+def survey(job: str, rank: int, world: int, local: pb.AttachResponse | None, holders: dict[str, Client],
+           node_daemon: Client | None = None) -> Available:
+    """The versions this rank could restore: its node's slots, then each reachable holder.
+
+    Raises:
+        FFStateError: the job's copies were made with another world size (resharding is not supported).
+    """
     got = Available(local=list(local.committed_versions) if local is not None else [])
-    for address, client in holders.items():
+    daemons = dict(holders)
+    if node_daemon is not None:
+        daemons.setdefault(node_daemon.address, node_daemon)
+    for address, client in daemons.items():
         try:
             inv = client.inventory(job)
         except ReplicaUnavailable as e:
             log.warning("holder %s is unreachable (%s); not counting on its replicas", address, e)
+            continue
+        other = sorted({s.shard.world_size for s in inv.shards if s.shard.world_size != world})
+        if other:
+            raise FFStateError(
+                f"job {job} has copies made with world size {other} at {address}; this run has world size {world}. "
+                "ffstate restores a rank from the same rank of the same world size (no resharding): restart with "
+                f"world size {other[0]}, or use a new job id (FFSTATE_JOB_ID) to start from scratch")
+        if address not in holders:
             continue
         for s in inv.shards:
             if not s.local and s.shard.rank == rank and s.shard.world_size == world:

@@ -134,7 +134,11 @@ class Replicated:
             self._lag(step)
 
     def _lag(self, step: int) -> None:
-        self._replicated = self._replicated_version()
+        try:
+            self._replicated = self._replicated_version()
+        except ReplicaUnavailable as e:
+            self._daemon_lost(e)
+            return
         behind = step - self._replicated
         if behind <= self.cfg.max_lag:
             return
@@ -170,7 +174,7 @@ class Replicated:
     def _restore(self) -> None:
         local = self.daemon.lookup(self.job, self.rank, self.world)
         holders = {a: self._client(a) for a in self.holders}
-        mine = recovery.survey(self.job, self.rank, self.world, local, holders)
+        mine = recovery.survey(self.job, self.rank, self.world, local, holders, self.daemon)
         if self._store is None:
             v, last = (max(mine.versions), max(mine.versions)) if mine.versions else (0, 0)
         else:
@@ -206,7 +210,7 @@ class Replicated:
             self._clients[address] = Client(address, self.token, timeout=30.0)
         return self._clients[address]
 
-    def _node_daemon(self) -> Client:
+    def _node_daemon(self, publish: bool = True) -> Client:
         """This node's daemon: found, or started by the node's first rank, and its address published."""
         topo, cfg = self.topology, self.cfg
         address = placement.daemon_address(topo.node, cfg)
@@ -230,7 +234,7 @@ class Replicated:
                                        "FFSTATE_TOKEN to the job's token or FFSTATE_BASE_PORT to free ports",
                                        e.code) from None
                 raise
-        if self._store is not None:
+        if publish and self._store is not None:
             self._store.set(f"{self._prefix}/daemon/{topo.node}", address)
         return client
 
@@ -263,12 +267,34 @@ class Replicated:
         mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
         return mine[0].replicated_version if mine else 0
 
+    def _daemon_lost(self, error: Exception) -> None:
+        """The node's daemon stopped answering while training runs: bring one back and re-attach.
+
+        The slots this rank wrote died with it (the new daemon makes new ones); the holders keep their
+        replicas, and the new daemon re-seeds them with a full version at the next commit.
+        """
+        log.error("rank %d: the node's daemon is gone (%s); restarting it and re-attaching", self.rank, error)
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
+        self.daemon = self._node_daemon(publish=False)
+        self._replicated = 0
+        self._record({"event": "daemon-restarted", "rank": self.rank, "step": self._last,
+                      "attempt": int(self._attempt)})
+
     def _wait_replicated(self, timeout: float | None, within: int = 0) -> None:
         if not self.holders or self._slots is None:
             return
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            self._replicated = self._replicated_version()
+            try:
+                self._replicated = self._replicated_version()
+            except ReplicaUnavailable as e:
+                if deadline is not None:  # leaving: nothing more to wait for
+                    log.warning("rank %d: the node's daemon is gone (%s); not waiting for the replicas", self.rank, e)
+                    return
+                self._daemon_lost(e)
+                continue
             if self._last - self._replicated <= within:
                 return
             if deadline is not None and time.monotonic() > deadline:

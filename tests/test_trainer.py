@@ -73,16 +73,42 @@ def test_rank_killed_right_after_a_commit_resumes_bit_exact_losing_nothing(refer
     assert compare(tmp_path / "out", reference, 4) == []
 
 
-def test_node_lost_with_its_daemon_resumes_bit_exact_within_the_replication_lag(reference, tmp_path):
+@pytest.mark.parametrize("phase", ["mid-step", "mid-commit"])
+def test_rank_killed_mid_step_or_mid_commit_resumes_bit_exact_losing_at_most_one_step(reference, tmp_path, phase):
     job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-node", "1", "--kill-node-step", "7")
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "1", "--kill-step", "6", "--kill-phase", phase)
     events = restores(tmp_path, job)
-    assert len({e["version"] for e in events}) == 1  # one consistent version (I3)
-    assert all(e["steps_lost"] <= Config().max_lag for e in events)
-    remote = sorted(e["rank"] for e in events if "local slots" not in e["source"])
+    assert len(events) == 4 and {e["version"] for e in events} <= {5, 6}
+    assert all(e["steps_lost"] <= 1 for e in events)
+    assert compare(tmp_path / "out", reference, 4) == []
+
+
+def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
+    job = f"t{uuid.uuid4().hex[:6]}"
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "2", "--kill-step", "3",
+             "--kill-node", "1", "--kill-node-step", "8")
+    events = restores(tmp_path, job)
+    first = [e for e in events if e["attempt"] == 1]
+    second = [e for e in events if e["attempt"] == 2]
+    assert {e["version"] for e in first} == {3}
+    assert len({e["version"] for e in second}) == 1  # one consistent version (I3)
+    assert all(e["steps_lost"] <= Config().max_lag for e in second)
+    remote = sorted(e["rank"] for e in second if "local slots" not in e["source"])
     assert remote == [2, 3]  # node 1's ranks came back from node 0's daemon
     assert compare(tmp_path / "out", reference, 4) == []
     assert not list((tmp_path / f"ffstate-{job}").glob("daemon-*.pid")), "a daemon outlived the job"
+
+
+def test_daemon_killed_while_training_goes_on_then_a_rank_dies(reference, tmp_path):
+    job = f"t{uuid.uuid4().hex[:6]}"
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-daemon", "0", "--kill-daemon-step", "2",
+             "--kill-rank", "3", "--kill-step", "10")
+    assert (tmp_path / "out" / "killed-daemon").exists()
+    events = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events if e["event"] == "daemon-restarted"} == {0, 1}  # node 0's ranks re-attached
+    restored = [e for e in events if e["event"] == "restored"]
+    assert {e["version"] for e in restored} == {10} and {e["steps_lost"] for e in restored} == {0}
+    assert compare(tmp_path / "out", reference, 4) == []
 
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
