@@ -71,6 +71,7 @@ class Client:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
     ):
         self.address = address
+        self.token = token
         self.timeout = timeout
         self.retries = retries
         self._metadata = ((TOKEN_KEY, token),)

@@ -101,6 +101,9 @@ class Replicated:
             self._close()
             return
         self._wait_replicated(self.cfg.exit_timeout)
+        if self.holders and self._replicated < self._last:
+            log.warning("rank %d: leaving with replicas at step %d, the last commit is %d", self.rank,
+                        self._replicated, self._last)
         self._barrier("exit")
         if self.topology.first_on_node:
             try:
@@ -147,9 +150,14 @@ class Replicated:
                         "the newest version", self.rank, behind, self.cfg.max_lag)
             return
         start = time.perf_counter()
-        self._wait_replicated(timeout=None, within=self.cfg.max_lag)
-        log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions (policy block)",
-                    self.rank, step, time.perf_counter() - start, self.cfg.max_lag)
+        self._wait_replicated(timeout=self.cfg.connect_timeout, within=self.cfg.max_lag)
+        held = time.perf_counter() - start
+        if step - self._replicated > self.cfg.max_lag:
+            log.error("rank %d: replication is stalled %d versions behind (a holder down?); policy block gave up "
+                      "after %.0fs and training goes on", self.rank, step - self._replicated, held)
+        else:
+            log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions "
+                        "(policy block)", self.rank, step, held, self.cfg.max_lag)
 
     # ------------------------------------------------------------ capture and restore
 
@@ -298,8 +306,6 @@ class Replicated:
             if self._last - self._replicated <= within:
                 return
             if deadline is not None and time.monotonic() > deadline:
-                log.warning("rank %d: replicas are at step %d, the last commit is %d (gave up after %.0fs)", self.rank,
-                            self._replicated, self._last, timeout)
                 return
             time.sleep(0.01)
 
@@ -321,8 +327,10 @@ class Replicated:
 
 
 def _answers(client: Client) -> bool:
+    """Whether anything answers at the client's address (one try, no retries)."""
     try:
-        client.inventory()
+        with Client(client.address, client.token, timeout=2.0, retries=0) as once:
+            once.inventory()
         return True
     except ReplicaUnavailable:
         return False
