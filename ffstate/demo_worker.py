@@ -32,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
+from ffstate import capture
 from ffstate.models import TinyGPT
 
 log = logging.getLogger("ffstate.demo")
@@ -74,14 +75,26 @@ def main() -> None:
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
+    p.add_argument("--parallel", choices=("ddp-zero", "fsdp2"), default="ddp-zero",
+                   help="DDP with a ZeRO-sharded AdamW (default), or FSDP2 (fully_shard) with AdamW")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = DDP(TinyGPT(**MODEL))
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    if a.parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model = TinyGPT(**MODEL)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    else:
+        model = DDP(TinyGPT(**MODEL))
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3,
+                                      weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
     extra = {"epoch": 0, "samples_seen": 0}
     per_node = world // int(os.environ.get("FFSTATE_SIMULATED_NODES", "1") or 1)
@@ -123,7 +136,8 @@ def main() -> None:
                     kill_daemon(a.kill_daemon)
                 if step + 1 == a.kill_node_step and a.kill_node >= 0:
                     _maybe_kill_node(a, rank, per_node, step + 1)
-    final = {"params": dict(model.module.state_dict()), "optim": opt.optim.state_dict(), "extra": dict(extra)}
+    final = {"params": dict(capture.local(model.state_dict())), "optim": capture.local(capture.optimizer_state(opt)),
+             "extra": dict(extra)}
     torch.save(final, a.out / f"final-rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -161,7 +175,7 @@ def _die_inside_the_next_commit(die) -> None:
     codec.pack_into = torn
 
 
-def _loss(model: DDP, idx: torch.Tensor) -> torch.Tensor:
+def _loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
     logits = model(idx[:, :-1])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import subprocess
@@ -23,11 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ffstate import layout, placement, recovery, shm
+from ffstate import capture, layout, placement, recovery, shm
 from ffstate.client import Client
 from ffstate.config import Config
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
@@ -162,22 +160,7 @@ class Replicated:
     # ------------------------------------------------------------ capture and restore
 
     def _capture(self) -> dict:
-        state = {"model": self.model.state_dict(), "optim": _optimizer_state(self.optimizer), "rng": _rng_state()}
-        if self.lr_scheduler is not None:
-            state["sched"] = self.lr_scheduler.state_dict()
-        if self.extra is not None:
-            state["extra"] = self.extra
-        return state
-
-    def _apply(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])  # copy_ into the parameters: their identity is kept
-        _load_optimizer(self.optimizer, state["optim"])
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.load_state_dict(state["sched"])
-        if self.extra is not None:
-            self.extra.clear()
-            self.extra.update(state["extra"])
-        _set_rng_state(state["rng"])
+        return capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
 
     def _restore(self) -> None:
         local = self.daemon.lookup(self.job, self.rank, self.world)
@@ -191,11 +174,11 @@ class Replicated:
             log.info("rank %d: no replicas of job %s: starting at step 0", self.rank, self.job)
             return
         got = recovery.fetch(self.job, self.rank, self.world, v, mine, local, holders, last)
-        self._apply(got.state)
+        capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, got.state)
         got.state = None
         self.restored, self.start_step, self._last, self._replicated = got, v, v, v  # slots past v* go at attach
         if self.cfg.shadow_ddp_step and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            _shadow_step_on_first_forward(self.model)
+            capture.shadow_step_on_first_forward(self.model)
         elapsed = time.perf_counter() - self._t0
         log.info("rank %d: restored step %d (v*) of job %s from %s: %d steps lost, %.1f MB in %.3fs "
                  "(%.1f MB/s); %.2fs from entry", self.rank, v, self.job, got.source, got.steps_lost, got.nbytes / 1e6,
@@ -371,78 +354,3 @@ def _warn_about_torchrun_restarts() -> None:
         log.warning("torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: after a restart, gloo's "
                     "init_process_group hangs or fails ('Gloo connectFullMesh failed', pytorch/pytorch#135712). "
                     "Launch as: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")
-
-
-def _optimizer_state(opt: torch.optim.Optimizer) -> dict:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(opt, ZeroRedundancyOptimizer):
-        # The rank's shard, and ZeRO's own param_groups (LR schedulers write the learning rate there).
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        return {"shard": opt.optim.state_dict(), "groups": groups}
-    return opt.state_dict()
-
-
-def _load_optimizer(opt: torch.optim.Optimizer, state: dict) -> None:
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(opt, ZeroRedundancyOptimizer):
-        opt.optim.load_state_dict(state["shard"])
-        for group, saved in zip(opt.param_groups, state["groups"]):
-            group.update(saved)
-        return
-    opt.load_state_dict(state)
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _shadow_step_on_first_forward(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-    """Makes the first forward after a restore run one shadow forward/backward first (see Config).
-
-    DDP buckets gradients in a provisional layout until its first backward, then rebuilds them in
-    the order the gradients became ready; the layout decides how the all-reduce sums. A run that
-    never stopped has rebuilt buckets at every step after its first. The shadow step (same batch,
-    RNG and buffers put back, gradients dropped) gives the restored run the same layout.
-    """
-
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        handle.remove()
-        rng = _rng_state()
-        buffers = [b.detach().clone() for b in module.buffers()]
-        with torch.enable_grad():
-            out = module(*args, **kwargs)
-            leaves = [t for t in _tensors(out) if t.requires_grad]
-            if leaves:
-                torch.stack([t.float().sum() for t in leaves]).sum().backward()
-        for p in module.parameters():
-            p.grad = None
-        with torch.no_grad():
-            for b, saved in zip(module.buffers(), buffers):
-                b.copy_(saved)
-        _set_rng_state(rng)
-        log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
-
-    handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []

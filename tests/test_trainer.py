@@ -138,3 +138,14 @@ def test_wrong_use_gets_clear_errors(monkeypatch):
     with pytest.raises(FFStateError, match="init_process_group"):
         with replicate(model, opt):
             pass
+
+
+def test_fsdp2_rank_killed_resumes_bit_exact(tmp_path):
+    """FSDP2 (fully_shard) on CPU with gloo: DTensor parameters and optimizer state, per-rank shards."""
+    ref = tmp_path / "ref"
+    torchrun(ref / "out", env_for(ref, "fsdp2ref"), "--parallel", "fsdp2", "--no-ffstate")
+    job = f"t{uuid.uuid4().hex[:6]}"
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "fsdp2", "--kill-rank", "1", "--kill-step", "4")
+    events = restores(tmp_path, job)
+    assert {e["version"] for e in events} == {4} and {e["steps_lost"] for e in events} == {0}
+    assert compare(tmp_path / "out", ref / "out", 4) == []

@@ -1,0 +1,172 @@
+"""What a training job's state is, per kind of parallelism, and how it goes back in place.
+
+``capture`` turns a model, optimizer, scheduler, RNG states and extras into one nested state of
+plain tensors and values (the codec's input): DTensors (FSDP2's sharded parameters and optimizer
+state) become their local shards, a ZeroRedundancyOptimizer becomes its rank's shard plus its own
+``param_groups``. ``restore`` puts such a state back: parameters by ``copy_`` (their identity is
+kept), DTensor optimizer state rebuilt around the local shards. Also here: the DDP shadow step
+(see ``Config.shadow_ddp_step``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger("ffstate.capture")
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(tree: Any) -> Any:
+    """The same nesting with every DTensor replaced by its local shard (a plain tensor, same storage)."""
+    if _is_dtensor(tree):
+        return tree.to_local()
+    if isinstance(tree, dict):
+        out = type(tree)((k, local(v)) for k, v in tree.items())
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata
+        return out
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(local(v) for v in tree)
+    return tree
+
+
+def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None) -> dict:
+    state = {"model": local(model.state_dict()), "optim": local(optimizer_state(optimizer)), "rng": rng_state()}
+    if lr_scheduler is not None:
+        state["sched"] = lr_scheduler.state_dict()
+    if extra is not None:
+        state["extra"] = extra
+    return state
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None,
+            state: dict) -> None:
+    load_model(model, state["model"])
+    load_optimizer(optimizer, state["optim"])
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(state["sched"])
+    if extra is not None:
+        extra.clear()
+        extra.update(state["extra"])
+    set_rng_state(state["rng"])
+
+
+def load_model(model: torch.nn.Module, saved: dict) -> None:
+    """Copies ``saved`` into the model's parameters and buffers in place (DTensors: into their local shards)."""
+    live = model.state_dict()
+    if not any(_is_dtensor(v) for v in live.values()):
+        model.load_state_dict(saved)
+        return
+    if list(live) != list(saved):
+        raise KeyError(f"the model's state keys differ from the restored ones: {sorted(set(live) ^ set(saved))[:5]}")
+    with torch.no_grad():
+        for k, t in live.items():
+            (t.to_local() if _is_dtensor(t) else t).copy_(saved[k])
+
+
+def optimizer_state(opt: torch.optim.Optimizer) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        # The rank's shard, and ZeRO's own param_groups (LR schedulers write the learning rate there).
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        return {"shard": opt.optim.state_dict(), "groups": groups}
+    return opt.state_dict()
+
+
+def load_optimizer(opt: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt.optim.load_state_dict(state["shard"])
+        for group, saved in zip(opt.param_groups, state["groups"]):
+            group.update(saved)
+        return
+    opt.load_state_dict(_as_dtensors(opt, state))
+
+
+def _as_dtensors(opt: torch.optim.Optimizer, state: dict) -> dict:
+    """Wraps restored local shards back into DTensors where the optimizer's parameters are DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if not any(_is_dtensor(p) for p in params):
+        return state
+    out = dict(state)
+    out["state"] = {}
+    for idx, entry in state["state"].items():
+        p = params[idx]
+        if not _is_dtensor(p):
+            out["state"][idx] = entry
+            continue
+        shard = p.to_local()
+        out["state"][idx] = {
+            k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape == shard.shape else v
+            for k, v in entry.items()
+        }
+    return out
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def shadow_step_on_first_forward(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Makes the first forward after a restore run one shadow forward/backward first (see Config).
+
+    DDP buckets gradients in a provisional layout until its first backward, then rebuilds them in
+    the order the gradients became ready; the layout decides how the all-reduce sums. A run that
+    never stopped has rebuilt buckets at every step after its first. The shadow step (same batch,
+    RNG and buffers put back, gradients dropped) gives the restored run the same layout.
+    """
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        handle.remove()
+        rng = rng_state()
+        buffers = [b.detach().clone() for b in module.buffers()]
+        with torch.enable_grad():
+            out = module(*args, **kwargs)
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if leaves:
+                torch.stack([t.float().sum() for t in leaves]).sum().backward()
+        for p in module.parameters():
+            p.grad = None
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
+        set_rng_state(rng)
+        log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
+
+    handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
