@@ -261,7 +261,9 @@ class Daemon(pb_grpc.ReplicaServicer):
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
         def run() -> pb.InventoryResponse:
             shards = []
-            for key, s in sorted(self.local.items()):
+            with self._lock:
+                local = sorted(self.local.items())
+            for key, s in local:
                 if request.job_id and key.job_id != request.job_id:
                     continue
                 done = s.slots.committed()
