@@ -127,8 +127,11 @@ def main() -> None:
             for step in range(ff.start_step, a.steps):
                 step_fn(step)
                 ff.commit(step + 1)
-                if kill_me(step + 1, "after-commit"):
-                    die(step + 1)
+                if a.kill_phase == "after-commit" and step + 1 == a.kill_step and a.kill_rank >= 0:
+                    due = not (a.out / "killed-rank").exists()
+                    dist.barrier()  # every rank has committed this step when the rank dies
+                    if due and kill_me(step + 1, "after-commit"):
+                        die(step + 1)
                 if (step + 1 == a.kill_daemon_step and rank // per_node == a.kill_daemon and rank % per_node == 0
                         and once(a.out / "killed-daemon")):
                     _note(a.out, {"failure": "daemon", "node": a.kill_daemon, "after_step": step + 1,

@@ -14,6 +14,7 @@ Stores land in program order on x86-64 (TSO); the header is written last and rea
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import re
@@ -29,12 +30,16 @@ from ffstate import codec
 from ffstate.errors import FFStateError
 from ffstate.layout import Manifest
 
+log = logging.getLogger("ffstate.shm")
+
 SHM_DIR = Path(os.environ.get("FFSTATE_SHM_DIR", "/dev/shm"))
 MAGIC = b"FFSLOT01"
 PAGE = 4096
 # magic, seq, version, checksum, scalars length, data bytes, scalars capacity, commit time (ns), layout id
 HEADER = struct.Struct("<8sQQQQQQQ32s")
 SEQ_OFFSET = 8
+# Written by the daemon only: the version it has finished reading from this slot (see Slots.commit).
+TAKEN_OFFSET = 128
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -145,21 +150,31 @@ class Slots:
     def _set_seq(self, k: int, seq: int) -> None:
         struct.pack_into("<Q", self._maps[k], SEQ_OFFSET, seq)
 
-    def committed(self) -> list[tuple[int, int]]:
-        """(version, slot) of each committed slot, newest first."""
+    def committed(self, ascending: bool = False) -> list[tuple[int, int]]:
+        """(version, slot) of each committed slot, newest first (or oldest first)."""
         out = []
         for k in range(len(self._maps)):
             _, seq, version, *_ = self._header(k)
             if seq and seq % 2 == 0:
                 out.append((version, k))
-        return sorted(out, reverse=True)
+        return sorted(out, reverse=not ascending)
+
+    def taken(self, k: int) -> int:
+        return struct.unpack_from("<Q", self._maps[k], TAKEN_OFFSET)[0]
+
+    def mark_taken(self, view: "SlotView") -> None:
+        """Daemon side: the slot's version is read; the worker may overwrite it."""
+        struct.pack_into("<Q", self._maps[view.index], TAKEN_OFFSET, view.version)
 
     # ------------------------------------------------------------ worker side
 
-    def commit(self, state: Any, version: int) -> int:
+    def commit(self, state: Any, version: int, wait: float = 0.0) -> int:
         """Packs ``state`` into the older slot and publishes it as ``version``; returns its checksum.
 
-        Once this returns, the snapshot survives this process's death.
+        Once this returns, the snapshot survives this process's death. With ``wait`` > 0, first waits
+        (at most that many seconds) until the daemon has read the version the older slot holds, so
+        that no version is skipped (the lag policy ``block``); past it, the version is skipped
+        and a warning logged.
 
         Raises:
             SlotError: ``version`` is not newer than the newest committed one.
@@ -170,6 +185,8 @@ class Slots:
             raise SlotError(f"commit of version {version}, but version {done[0][0]} is already committed: "
                             "versions (training steps) must increase")
         k = 1 - done[0][1] if done else 0
+        if wait > 0:
+            self._wait_taken(k, wait)
         seq = self._seq(k)
         self._set_seq(k, seq + 1 if seq % 2 == 0 else seq + 2)  # odd: being written
         snap = codec.pack_into(state, self.data[k], self.manifest)
@@ -192,6 +209,18 @@ class Slots:
             if v > version:
                 self._set_seq(k, self._seq(k) + 1)  # odd: not committed, and a reader mid-way sees the change
 
+    def _wait_taken(self, k: int, wait: float) -> None:
+        _, seq, old, *_ = self._header(k)
+        if not seq or seq % 2 or self.taken(k) >= old:
+            return
+        deadline = time.monotonic() + wait
+        while self.taken(k) < old:
+            if time.monotonic() > deadline:
+                log.warning("the daemon has not read version %d of %s in %.0fs; overwriting it (that version will not "
+                            "be replicated)", old, self.paths[k], wait)
+                return
+            time.sleep(0.0005)
+
     # ------------------------------------------------------------ daemon side
 
     def latest(self) -> SlotView | None:
@@ -207,6 +236,9 @@ class Slots:
             if v == version:
                 return self._view(k)
         return None
+
+    def view(self, k: int) -> SlotView | None:
+        return self._view(k)
 
     def _view(self, k: int) -> SlotView | None:
         """Slot k as read now, if it is committed and stayed so while its header was read."""

@@ -129,7 +129,8 @@ class Replicated:
         state = self._capture()
         if self._slots is None:
             self._attach(state)
-        self._slots.commit(state, step)
+        block = self.holders and self.cfg.lag_policy == "block"
+        self._slots.commit(state, step, wait=self.cfg.connect_timeout if block else 0.0)
         self._last = step
         if self.holders and step - self._replicated > self.cfg.max_lag:
             self._lag(step)

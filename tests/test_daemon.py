@@ -43,7 +43,7 @@ def pair(daemons):
 
 def test_commits_replicate_bit_exact_full_then_deltas(pair, tmp_path):
     a, b = pair
-    _, states = run_writer(a, "j1", 6, tmp_path)
+    _, states = run_writer(a, "j1", 6, tmp_path, "--wait-replicated")
     cb = b.client()
     wait_until(lambda: held_version(cb, "j1", 0) == 6, what="B to hold version 6")
     assert_bitwise_equal(codec.decode(cb.fetch("j1", 0, 2)), states[-1])

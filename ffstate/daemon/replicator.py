@@ -1,13 +1,16 @@
-"""The replicator: sends each local rank's newly committed snapshots to the remote holders.
+"""The replicator: sends each local rank's committed snapshots to the remote holders.
 
-Per local rank, one thread watches the rank's shared-memory slots. When a newer version is
-committed, it encodes it straight from the slot (no copy) as a delta against the version the
-holders have, checks that the worker did not rewrite the slot meanwhile (else the newest version
-wins and the encoding is dropped), pushes it to every holder in parallel and commits it there.
-A holder that is down, or answers that it lacks the base, gets a full version at its next turn,
-after a backoff. The daemon's own copy of the pushed version (the base of the next delta) is
-advanced by applying the same delta, so the slot is never copied. ``Pacer.before_chunk`` is the
-seam where the scheduler will pace the sender (DESIGN.md section 4, step 3).
+Per local rank, one thread watches the rank's shared-memory slots. It reads every committed
+version in order, straight from the slot (no copy), as a delta against the previous one, checks
+that the worker did not rewrite the slot meanwhile, and marks the slot *taken*: under the block
+policy the worker waits for that mark before it overwrites a slot, so every version reaches the
+chain of deltas and every holder gets every version in order. That keeps the holders' versions
+aligned across ranks, so that after a node is lost some version is common to all ranks (DESIGN.md
+I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
+copy of the newest version (the base of the next delta) follows by applying the same delta. A
+holder that is down, or answers that it lacks a base, gets a full version at its next turn, after
+a backoff. ``Pacer.before_chunk`` is the seam where the scheduler will pace the sender
+(DESIGN.md section 4, step 3).
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class LocalShard:
     slots: Slots
     holders: list[Holder]
     reserved: int
-    base: Snapshot | None = None  # the daemon's copy of the newest pushed version
+    base: Snapshot | None = None  # the daemon's copy of the newest version read from the slots
     base_version: int = 0
+    chain: list = field(default_factory=list)  # (version, version before, delta): what holders may still need
     wake: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
     stop: threading.Event = field(default_factory=threading.Event)
@@ -92,12 +96,15 @@ class Replicator:
     """Runs one sender thread per local rank."""
 
     def __init__(self, make_client: Callable[[str], Client], peers: list[str], pacer: Pacer | None = None,
-                 poll_interval: float = 0.005):
+                 poll_interval: float = 0.005, keep: int = 8):
         self.make_client = make_client
+        self.keep = keep
         self.peers = list(peers)
         self.pacer = pacer or Unpaced()
         self.poll_interval = poll_interval
-        self._pool = ThreadPoolExecutor(max(1, len(self.peers)) * 4, thread_name_prefix="ffstate-push")
+        # Per local rank one batch in flight (_batches), and inside it one push per holder (_pool).
+        self._batches = ThreadPoolExecutor(16, thread_name_prefix="ffstate-batch")
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="ffstate-push")
 
     def start(self, shard: LocalShard) -> None:
         shard.thread = threading.Thread(target=self._run, args=(shard,), name=f"ffstate-repl-{shard.key.rank}",
@@ -112,7 +119,7 @@ class Replicator:
         with shard.lock:
             old = shard.holders
             shard.holders = self.holders(addresses)
-            shard.base, shard.base_version = None, 0
+            shard.base, shard.base_version, shard.chain = None, 0, []
         for h in old:
             h.client.close()
 
@@ -125,56 +132,93 @@ class Replicator:
             h.client.close()
 
     def shutdown(self) -> None:
+        self._batches.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ the loop
 
     def _run(self, shard: LocalShard) -> None:
+        """Takes committed versions as soon as they appear; pushes run beside it, one batch at a time."""
+        pushing = None
         while not shard.stop.is_set():
             shard.wake.wait(self.poll_interval)
             shard.wake.clear()
             try:
                 with shard.lock:
-                    self._round(shard)
+                    for version, k in shard.slots.committed(ascending=True):
+                        if version > shard.base_version and not self._take(shard, version, k):
+                            break
+                    if pushing is None or pushing.done():
+                        batch = self._batch(shard)
+                        pushing = self._batches.submit(self._send, shard, batch) if batch else None
             except Exception:  # a bug here must not silently stop replication of this rank
                 log.exception("replication round of %s failed; retrying", shard.key)
                 time.sleep(0.5)
 
-    def _round(self, shard: LocalShard) -> None:
-        view = shard.slots.latest()
-        if view is None:
-            return
+    def _batch(self, shard: LocalShard) -> list[tuple[Holder, list[tuple[int, Packed]]]]:
+        """What each due holder needs next: the deltas it lacks, or a full version. Under shard.lock."""
         now = time.monotonic()
-        due = [h for h in shard.holders if h.acked < view.version and h.next_try <= now]
-        if not due:
-            return
-        snap = shard.slots.snapshot(view)
-        delta = full = None
-        try:
-            if shard.base is not None and any(h.acked == shard.base_version for h in due):
-                delta = codec.encode_snapshot(snap, shard.base)
-            if any(shard.base is None or h.acked != shard.base_version for h in due):
-                full = codec.encode_snapshot(snap)
-        except CodecError as e:
-            log.warning("encoding version %d of %s failed (%s); waiting for the next commit", view.version, shard.key, e)
-            return
-        if not shard.slots.unchanged(view):
-            log.debug("%s: slot rewritten while encoding version %d; taking the newest", shard.key, view.version)
-            return
-        # The encodings are self-contained now: the worker may rewrite the slot from here on.
-        jobs = [(h, delta if (delta is not None and h.acked == shard.base_version) else full) for h in due]
-        results = list(self._pool.map(lambda hp: self._push(shard, view.version, hp[0], hp[1]), jobs))
-        try:
-            if delta is not None:
-                shard.base = codec.decode_snapshot(delta, shard.base, inplace=True)
+        lowest = min((h.acked for h in shard.holders), default=0)
+        shard.chain = [c for c in shard.chain if c[0] > lowest][-self.keep:]
+        due = [h for h in shard.holders if h.acked < shard.base_version and h.next_try <= now]
+        if not due or shard.base is None:
+            return []
+        batch, full = [], None
+        for h in due:
+            start = next((i for i, (_, before, _) in enumerate(shard.chain) if before == h.acked), None)
+            if start is None:
+                full = full or codec.encode_snapshot(shard.base)  # the base changes in place: encode it here
+                batch.append((h, [(shard.base_version, full)]))
             else:
-                shard.base = codec.decode_snapshot(full)
-            shard.base_version = view.version
-        except CodecError as e:  # cannot happen unless memory is corrupted; start over from a full version
-            log.error("%s: could not advance the local base to version %d: %s", shard.key, view.version, e)
-            shard.base, shard.base_version = None, 0
-        if any(results):
-            shard.last_push = time.time()
+                batch.append((h, [(v, packed) for v, _, packed in shard.chain[start:]]))
+        return batch
+
+    def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]]]]) -> None:
+        def send(job: tuple[Holder, list[tuple[int, Packed]]]) -> bool:
+            holder, versions = job
+            return all(self._push(shard, v, holder, packed) for v, packed in versions)
+
+        try:
+            if any(list(self._pool.map(send, batch))):
+                shard.last_push = time.time()
+        finally:
+            shard.wake.set()  # look for what came meanwhile
+
+    def _take(self, shard: LocalShard, version: int, k: int) -> bool:
+        """Reads committed slot k (``version``) into the chain of deltas and frees it for the worker.
+
+        Returns False if the worker rewrote the slot meanwhile (it did not wait: policy skip).
+        """
+        view = shard.slots.view(k)
+        if view is None or view.version != version:
+            return False
+        if not shard.holders:  # nobody to send to: the slot is the only copy needed
+            shard.slots.mark_taken(view)
+            shard.base, shard.base_version, shard.chain = None, version, []
+            return True
+        snap = shard.slots.snapshot(view)
+        try:
+            if shard.base is None:
+                base = codec.Snapshot(snap.manifest, snap.buffer.clone(), view.checksum)
+                packed = None
+            else:
+                packed = codec.encode_snapshot(snap, shard.base)
+            if not shard.slots.unchanged(view):
+                return False
+            if packed is None:
+                if codec.buffer_checksum(base.buffer) != view.checksum:
+                    return False
+                shard.base = base
+            else:  # the daemon's copy follows by the same delta; verified against the slot's checksum
+                shard.base = codec.decode_snapshot(packed, shard.base, inplace=True)
+                shard.chain.append((version, shard.base_version, packed))
+        except CodecError as e:  # cannot happen unless memory is corrupted: start over from a full version
+            log.error("%s: reading version %d failed (%s); the next push is a full version", shard.key, version, e)
+            shard.base, shard.base_version, shard.chain = None, 0, []
+            return False
+        shard.slots.mark_taken(view)
+        shard.base_version = version
+        return True
 
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key
