@@ -108,6 +108,7 @@ class Slots:
         self.paths = [Path(p) for p in paths]
         self.manifest = manifest
         self._maps: list[mmap.mmap] = []
+        self.wait_timed_out = False
         self.data: list[torch.Tensor] = []
         for path in self.paths:
             try:
@@ -173,8 +174,8 @@ class Slots:
 
         Once this returns, the snapshot survives this process's death. With ``wait`` > 0, first waits
         (at most that many seconds) until the daemon has read the version the older slot holds, so
-        that no version is skipped (the lag policy ``block``); past it, the version is skipped
-        and a warning logged.
+        that no version is skipped (the lag policy ``block``); past it, the version is skipped, a
+        warning logged, and ``self.wait_timed_out`` set (is the daemon alive?).
 
         Raises:
             SlotError: ``version`` is not newer than the newest committed one.
@@ -185,8 +186,7 @@ class Slots:
             raise SlotError(f"commit of version {version}, but version {done[0][0]} is already committed: "
                             "versions (training steps) must increase")
         k = 1 - done[0][1] if done else 0
-        if wait > 0:
-            self._wait_taken(k, wait)
+        self.wait_timed_out = wait > 0 and not self._wait_taken(k, wait)
         seq = self._seq(k)
         self._set_seq(k, seq + 1 if seq % 2 == 0 else seq + 2)  # odd: being written
         snap = codec.pack_into(state, self.data[k], self.manifest)
@@ -209,17 +209,19 @@ class Slots:
             if v > version:
                 self._set_seq(k, self._seq(k) + 1)  # odd: not committed, and a reader mid-way sees the change
 
-    def _wait_taken(self, k: int, wait: float) -> None:
+    def _wait_taken(self, k: int, wait: float) -> bool:
+        """Waits until the daemon has read slot k's version; False if it did not within ``wait`` seconds."""
         _, seq, old, *_ = self._header(k)
         if not seq or seq % 2 or self.taken(k) >= old:
-            return
+            return True
         deadline = time.monotonic() + wait
         while self.taken(k) < old:
             if time.monotonic() > deadline:
-                log.warning("the daemon has not read version %d of %s in %.0fs; overwriting it (that version will not "
-                            "be replicated)", old, self.paths[k], wait)
-                return
+                log.warning("the daemon has not read version %d of %s in %.1fs; overwriting it (that version will "
+                            "not be replicated)", old, self.paths[k], wait)
+                return False
             time.sleep(0.0005)
+        return True
 
     # ------------------------------------------------------------ daemon side
 

@@ -32,6 +32,8 @@ from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
 
 log = logging.getLogger("ffstate.trainer")
 
+SLOT_WAIT = 2.0  # seconds a block-policy commit waits for the daemon to read the slot it overwrites
+
 
 def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
               extra: dict | None = None, config: Config | None = None) -> "Replicated":
@@ -130,8 +132,15 @@ class Replicated:
         if self._slots is None:
             self._attach(state)
         block = self.holders and self.cfg.lag_policy == "block"
-        self._slots.commit(state, step, wait=self.cfg.connect_timeout if block else 0.0)
+        # The daemon reads a slot within milliseconds; seconds without it mean it is overloaded or gone.
+        self._slots.commit(state, step, wait=SLOT_WAIT if block else 0.0)
         self._last = step
+        if self._slots.wait_timed_out:
+            try:
+                self._replicated = self._replicated_version()
+            except ReplicaUnavailable as e:
+                self._daemon_lost(e)
+                return
         if self.holders and step - self._replicated > self.cfg.max_lag:
             self._lag(step)
 
