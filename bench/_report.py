@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import statistics
 import time
@@ -41,6 +42,19 @@ def write_json(out_dir: Path, name: str, payload: dict) -> Path:
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (with a warning) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logging.getLogger("ffstate.bench").warning("matplotlib is not installed: no plot (pip install 'ffstate[bench]')")
+        return None
+    return plt
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ffstate import codec
-from ffstate.bench._report import environment, table, write_json
+from ffstate.bench._report import environment, pyplot, table, write_json
 from ffstate.client import Client
 
 log = logging.getLogger("ffstate.bench.bandwidth")
@@ -169,13 +169,8 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot")
+    plt = pyplot()
+    if plt is None:
         return None
     sizes = [int(cs) for cs in result["grpc"]]
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ffstate import codec
-from ffstate.bench._report import environment, median_seconds, table, write_json
+from ffstate.bench._report import environment, median_seconds, pyplot, table, write_json
 from ffstate.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.codec")
@@ -153,13 +153,8 @@ def report(result: dict) -> str:
 
 
 def plot(result: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed: no plot (pip install 'ffstate[bench]')")
+    plt = pyplot()
+    if plt is None:
         return None
     comp, thr = result["compression"], result["throughput"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
