@@ -63,7 +63,6 @@ class Replicated:
         self.start_step = 0
         self.restored: recovery.Restored | None = None
         self._slots: shm.Slots | None = None
-        self._manifest: layout.Manifest | None = None
         self._last = 0
         self._replicated = 0
         self._clients: dict[str, Client] = {}
@@ -199,9 +198,9 @@ class Replicated:
                       "attempt": int(self._attempt)})
 
     def _attach(self, state: dict) -> None:
-        self._manifest = layout.describe(state)
-        resp = self.daemon.attach(self.job, self.rank, self.world, self._manifest, holders=self.holders)
-        self._slots = shm.Slots(list(resp.slot_paths), self._manifest)
+        manifest = layout.describe(state)
+        resp = self.daemon.attach(self.job, self.rank, self.world, manifest, holders=self.holders)
+        self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
