@@ -56,7 +56,8 @@ def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_sched
 
 class Replicated:
     """See ``replicate``. Attributes after entry: ``start_step``, ``restored`` (a ``recovery.Restored``
-    or None), ``topology``, ``extra``."""
+    or None), ``topology``, ``extra``, ``global_committed`` (the job's global committed version, as
+    last seen: the minimum over ranks of what every holder has)."""
 
     def __init__(self, model, optimizer, lr_scheduler, extra, cfg: Config):
         self.model, self.optimizer, self.lr_scheduler, self.extra, self.cfg = model, optimizer, lr_scheduler, extra, cfg
@@ -65,6 +66,7 @@ class Replicated:
         self._slots: shm.Slots | None = None
         self._last = 0
         self._replicated = 0
+        self.global_committed = 0  # min over ranks of the version all their holders have
         self._clients: dict[str, Client] = {}
         self._t0 = time.perf_counter()
 
@@ -103,7 +105,13 @@ class Replicated:
         if self.holders and self._replicated < self._last:
             log.warning("rank %d: leaving with replicas at step %d, the last commit is %d", self.rank,
                         self._replicated, self._last)
+        self._publish(self._replicated if self.holders else self._last)
         self._barrier("exit")
+        self._publish(self._replicated if self.holders else self._last)
+        log.info("rank %d: job %s done at step %d; global committed version %d", self.rank, self.job, self._last,
+                 self.global_committed)
+        self._record({"event": "finished", "rank": self.rank, "step": self._last,
+                      "global_committed": self.global_committed, "attempt": int(self._attempt)})
         if self.topology.first_on_node:
             try:
                 self.daemon.drop(self.job)
@@ -265,7 +273,20 @@ class Replicated:
     def _replicated_version(self) -> int:
         resp = self.daemon.inventory(self.job)
         mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
-        return mine[0].replicated_version if mine else 0
+        version = mine[0].replicated_version if mine else 0
+        self._publish(version)
+        return version
+
+    def _publish(self, version: int) -> None:
+        """Publishes the newest version every holder of this rank has, through the job's store; the job's
+        global committed version is the minimum over ranks (DESIGN.md section 4, step 5)."""
+        if self._store is None:
+            self.global_committed = version
+            return
+        self._store.set(f"{self._prefix}/replicated/{self.rank}", str(version))
+        keys = [f"{self._prefix}/replicated/{r}" for r in range(self.world)]
+        if self._store.check(keys):
+            self.global_committed = min(int(v) for v in self._store.multi_get(keys))
 
     def _daemon_lost(self, error: Exception) -> None:
         """The node's daemon stopped answering while training runs: bring one back and re-attach.

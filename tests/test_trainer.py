@@ -52,7 +52,8 @@ def torchrun(out: Path, env: dict, *extra: str) -> subprocess.CompletedProcess:
 
 def restores(tmp: Path, job: str) -> list[dict]:
     path = tmp / f"ffstate-{job}" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [e for e in events if e["event"] == "restored"]
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,10 @@ def test_rank_killed_right_after_a_commit_resumes_bit_exact_losing_nothing(refer
     assert {e["version"] for e in events} == {5} and {e["steps_lost"] for e in events} == {0}
     assert all("local slots" in e["source"] for e in events)  # no node was lost: memory copies
     assert compare(tmp_path / "out", reference, 4) == []
+    finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "finished"]
+    assert sorted(e["rank"] for e in finished) == [0, 1, 2, 3]
+    assert {e["global_committed"] for e in finished} == {STEPS}  # every rank's holders had the last step
 
 
 @pytest.mark.parametrize("phase", ["mid-step", "mid-commit"])
