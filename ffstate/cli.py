@@ -82,7 +82,6 @@ def cmd_status(args: argparse.Namespace) -> int:
             if s.local:
                 owners[key] = s.version
             rows.append((address, inv, s, key))
-        table.caption = None
     now = time.time()
     for address, inv, s, key in rows:
         if s.local:

@@ -142,7 +142,8 @@ def pack(state: Any, out: torch.Tensor | None = None) -> Snapshot:
     """Packs every tensor of ``state`` into one flat buffer (a new zeroed one unless ``out`` is given)."""
     manifest = layout.describe(state)
     if out is None:
-        device = _device_of(state)
+        # On a CUDA device when any tensor is there (packing then runs in the kernels), else on the CPU.
+        device = next((t.device for t in manifest.tensors if t.device.startswith("cuda")), "cpu")
         out = layout.alloc_buffer(manifest, device=device)
     return pack_into(state, out, manifest)
 
@@ -214,15 +215,6 @@ def restore_into(snapshot: Snapshot, live: Any) -> Any:
             elif not a.is_cuda:
                 layout.copy_bits(a, layout.tensor_view(snapshot.buffer, spec))
     return layout.unflatten(snapshot.manifest, arrays)
-
-
-def _device_of(state: Any) -> torch.device:
-    """CUDA when any tensor is on CUDA (packing then runs on the device), else CPU."""
-    _, leaves, _ = layout.flatten(state)
-    for _, a in leaves:
-        if isinstance(a, torch.Tensor) and a.is_cuda:
-            return a.device
-    return torch.device("cpu")
 
 
 # ---------------------------------------------------------------- buffer <-> chunks

@@ -28,10 +28,6 @@ class Topology:
     def first_on_node(self) -> bool:
         return self.rank == self.node_ranks[0]
 
-    def node_of(self, rank: int) -> int:
-        per = self.world_size // self.num_nodes
-        return rank // per
-
 
 def topology(rank: int, world_size: int, cfg: Config) -> Topology:
     """This rank's place in the job.

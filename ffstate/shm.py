@@ -6,7 +6,9 @@ scalars (JSON), and the packed state's bytes. The worker writes the older slot a
 with a seqlock: the sequence number is odd while the slot is being written and even once its
 version, checksum and scalars are in place. A reader takes a slot only when its sequence number
 is even and unchanged across the read, so a worker killed mid-write leaves that slot unreadable
-and the other slot (the previous version) intact.
+and the other slot (the previous version) intact. The daemon, in turn, marks a slot *taken* once it
+has read its version; a worker on the ``block`` lag policy waits for that mark before it
+overwrites the slot, so no version escapes replication.
 
 Stores land in program order on x86-64 (TSO); the header is written last and read first.
 """
@@ -98,7 +100,6 @@ class SlotView:
     checksum: int
     scalars: list
     data: torch.Tensor  # uint8 view of the slot's bytes, no copy
-    commit_time_ns: int
 
 
 class Slots:
@@ -244,7 +245,7 @@ class Slots:
 
     def _view(self, k: int) -> SlotView | None:
         """Slot k as read now, if it is committed and stayed so while its header was read."""
-        _, seq, version, checksum, slen, _, _, t_ns, _ = self._header(k)
+        _, seq, version, checksum, slen, *_ = self._header(k)
         if seq % 2 or slen > self.scalars_capacity:
             return None
         raw = bytes(self._maps[k][PAGE : PAGE + slen])
@@ -254,7 +255,7 @@ class Slots:
             scalars = json.loads(raw)
         except ValueError:
             return None
-        return SlotView(k, seq, version, checksum, scalars, self.data[k], t_ns)
+        return SlotView(k, seq, version, checksum, scalars, self.data[k])
 
     def unchanged(self, view: SlotView) -> bool:
         """True while the worker has not started rewriting the slot ``view`` came from."""

@@ -56,12 +56,10 @@ class Holder:
     acked: int = 0  # newest version the holder committed (0: none, send a full version)
     failures: int = 0
     next_try: float = 0.0
-    last_error: str = ""
 
-    def backoff(self, error: Exception) -> None:
+    def backoff(self) -> None:
         self.failures += 1
         self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), 5.0)
-        self.last_error = str(error)
 
 
 @dataclass
@@ -80,7 +78,6 @@ class LocalShard:
     lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
-    pushed_bytes: int = 0
     last_push: float = 0.0
 
     @property
@@ -229,14 +226,13 @@ class Replicator:
         except (ReplicaError, FFStateError) as e:
             if not isinstance(e, ReplicaUnavailable):
                 holder.acked = 0  # whatever went wrong, the next push is a full version
-            holder.backoff(e)
+            holder.backoff()
             log.warning("push of %s version %d to %s failed (%s); retry in %.1fs", k, version, holder.address, e,
                         holder.next_try - time.monotonic())
             return False
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
-        holder.acked, holder.failures, holder.last_error = version, 0, ""
-        shard.pushed_bytes += packed.nbytes
+        holder.acked, holder.failures = version, 0
         log.info("pushed %s version %d to %s: %s, %d bytes (%.2fx)", k, version, holder.address, packed.kind,
                  packed.nbytes, packed.ratio)
         return True

@@ -374,11 +374,6 @@ class Store:
         return [{"key": r.key, "version": r.version, "versions": r.versions, "bytes": r.nbytes,
                  "updated": r.updated, "source": r.source} for r in replicas]
 
-    def held_version(self, key: ShardKey) -> int:
-        with self._lock:
-            r = self._replicas.get(key)
-        return r.version if r else 0
-
 
 def _verify_one(chunk: Chunk) -> None:
     """The checksum of one chunk, as it arrives (the list as a whole is checked again at commit)."""
