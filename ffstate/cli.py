@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks; each writes JSON and a PNG under bench/results/")
     which = bench.add_subparsers(dest="benchmark", required=True)
     from ffstate.bench import bandwidth as bandwidth_bench
+    from ffstate.bench import capture as capture_bench
     from ffstate.bench import codec as codec_bench
 
     p = which.add_parser("codec", help="codec throughput vs plain copy, compression vs zlib-1, on AdamW state")
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("bandwidth", help="gRPC push/fetch over a chunk-size sweep vs raw TCP and gloo")
     bandwidth_bench.add_arguments(p)
     p.set_defaults(run=bandwidth_bench.main)
+    p = which.add_parser("capture", help="commit hold time vs a copy; local and remote restore vs copy and transport")
+    capture_bench.add_arguments(p)
+    p.set_defaults(run=capture_bench.main)
     return parser
 
 

@@ -68,11 +68,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A packed state: its manifest, the flat uint8 buffer, and the buffer's checksum."""
+    """A packed state: its manifest, the flat uint8 buffer, and the buffer's checksum (None: not computed)."""
 
     manifest: Manifest
     buffer: torch.Tensor
-    checksum: int
+    checksum: int | None
 
 
 @dataclass
@@ -148,19 +148,24 @@ def pack(state: Any, out: torch.Tensor | None = None) -> Snapshot:
     return pack_into(state, out, manifest)
 
 
-def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None) -> Snapshot:
+def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, checksum: bool = True) -> Snapshot:
     """Packs ``state`` into ``out``, a uint8 buffer the caller owns (e.g. a shared-memory slot).
 
     ``out`` must hold ``manifest.nbytes`` bytes and be zero in the padding (``layout.alloc_buffer``
     gives such a buffer; later packs of the same layout keep it so). Passing the cached
-    ``manifest`` of an earlier pack checks that the layout has not changed.
+    ``manifest`` of an earlier pack checks that the layout has not changed. With ``checksum=False``
+    the snapshot's checksum is None: the caller leaves it to whoever reads the buffer (a commit
+    leaves it to the daemon, off the training path).
 
     Raises:
         CodecError: the state changed layout, or ``out`` is too small or not a flat uint8 tensor.
     """
-    current, arrays = layout.analyze(state)
-    if manifest is not None and manifest.layout_id != current.layout_id:
-        raise CodecError(f"the state's layout changed since it was described: {layout.diff_layouts(current, manifest)}")
+    if manifest is not None:
+        current, arrays = layout.analyze_known(state, manifest)
+        if manifest.layout_id != current.layout_id:
+            raise CodecError(f"the state's layout changed since it was described: {layout.diff_layouts(current, manifest)}")
+    else:
+        current, arrays = layout.analyze(state)
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
         raise CodecError(f"pack_into needs a flat contiguous uint8 buffer, got {out.dtype} of shape {list(out.shape)}")
     if out.numel() < current.nbytes:
@@ -171,13 +176,14 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None) -
 
         kernels.gather(placed, out)
     else:
-        for spec, a in placed:
-            if spec.kind == "ndarray":
-                out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
-            else:
-                layout.copy_bits(layout.tensor_view(out, spec), a)
+        with torch.no_grad():
+            for spec, a in placed:
+                if spec.kind == "ndarray":
+                    out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
+                else:
+                    layout.copy_bits(layout.tensor_view(out, spec), a)
     buf = out[: current.nbytes]
-    return Snapshot(current, buf, buffer_checksum(buf))
+    return Snapshot(current, buf, buffer_checksum(buf) if checksum else None)
 
 
 def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
@@ -229,11 +235,12 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     m = snapshot.manifest
+    checksum = buffer_checksum(snapshot.buffer) if snapshot.checksum is None else snapshot.checksum
     header: dict[str, Any] = {
         "format": FORMAT,
         "layout_id": m.layout_id,
         "nbytes": m.nbytes,
-        "checksum": f"{snapshot.checksum:016x}",
+        "checksum": f"{checksum:016x}",
         "chunk_bytes": chunk_bytes,
     }
     buf = snapshot.buffer

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ffstate import codec, shm
+from ffstate import codec, layout, shm
 from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client, fetch_striped
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
@@ -114,12 +114,12 @@ def fetch(job: str, rank: int, world: int, version: int, mine: Available, local:
     if local is not None and version in local.committed_versions:
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
-        try:
-            got = slots.copy_latest(version)
+        try:  # straight from the slot into new tensors: one copy, then the slot's checksum is verified
+            got = slots.read(version, lambda view: layout.materialize(manifest.with_scalars(view.scalars), view.data))
         finally:
             slots.close()
         if got is not None:
-            state = codec.unpack(got[1])
+            state = got[1]
             return Restored(version, last_version, f"local slots of {local.node_id}", manifest.nbytes,
                             time.perf_counter() - start, state)
         log.warning("version %d left this node's slots while restoring; fetching it from the holders", version)

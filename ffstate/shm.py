@@ -10,6 +10,11 @@ and the other slot (the previous version) intact. The daemon, in turn, marks a s
 has read its version; a worker on the ``block`` lag policy waits for that mark before it
 overwrites the slot, so no version escapes replication.
 
+The worker does not checksum what it writes: the daemon computes the checksum when it takes the
+slot, off the training path (it was half of a commit's time), and records it beside the header; a
+reader verifies the slot against that record, and computes it itself, under the seqlock, when the
+daemon has not taken the slot yet. The seqlock, not the checksum, is what rules out a torn slot.
+
 Stores land in program order on x86-64 (TSO); the header is written last and read first.
 """
 
@@ -24,7 +29,7 @@ import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -33,15 +38,19 @@ from ffstate.errors import FFStateError
 from ffstate.layout import Manifest
 
 log = logging.getLogger("ffstate.shm")
+T = TypeVar("T")
 
 SHM_DIR = Path(os.environ.get("FFSTATE_SHM_DIR", "/dev/shm"))
 MAGIC = b"FFSLOT01"
 PAGE = 4096
-# magic, seq, version, checksum, scalars length, data bytes, scalars capacity, commit time (ns), layout id
+# magic, seq, version, (unused, 0), scalars length, data bytes, scalars capacity, commit time (ns), layout id
 HEADER = struct.Struct("<8sQQQQQQQ32s")
 SEQ_OFFSET = 8
 # Written by the daemon only: the version it has finished reading from this slot (see Slots.commit).
 TAKEN_OFFSET = 128
+# Written by the daemon only: the checksum of the slot's data (at +8, written first) and the version
+# it belongs to (at +0, written last), so a reader never pairs a version with another's checksum.
+CHECKED_OFFSET = 136
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -97,7 +106,7 @@ class SlotView:
     index: int
     seq: int
     version: int
-    checksum: int
+    checksum: int | None  # as recorded by the daemon; None until it has taken the slot
     scalars: list
     data: torch.Tensor  # uint8 view of the slot's bytes, no copy
 
@@ -168,10 +177,16 @@ class Slots:
         """Daemon side: the slot's version is read; the worker may overwrite it."""
         struct.pack_into("<Q", self._maps[view.index], TAKEN_OFFSET, view.version)
 
+    def record_checksum(self, view: "SlotView", checksum: int) -> None:
+        """Daemon side: records the checksum of the slot's data, computed while ``unchanged(view)``."""
+        mm = self._maps[view.index]
+        struct.pack_into("<Q", mm, CHECKED_OFFSET + 8, checksum)
+        struct.pack_into("<Q", mm, CHECKED_OFFSET, view.version)
+
     # ------------------------------------------------------------ worker side
 
-    def commit(self, state: Any, version: int, wait: float = 0.0) -> int:
-        """Packs ``state`` into the older slot and publishes it as ``version``; returns its checksum.
+    def commit(self, state: Any, version: int, wait: float = 0.0) -> None:
+        """Packs ``state`` into the older slot and publishes it as ``version`` (one copy, no checksum).
 
         Once this returns, the snapshot survives this process's death. With ``wait`` > 0, first waits
         (at most that many seconds) until the daemon has read the version the older slot holds, so
@@ -190,7 +205,7 @@ class Slots:
         self.wait_timed_out = wait > 0 and not self._wait_taken(k, wait)
         seq = self._seq(k)
         self._set_seq(k, seq + 1 if seq % 2 == 0 else seq + 2)  # odd: being written
-        snap = codec.pack_into(state, self.data[k], self.manifest)
+        snap = codec.pack_into(state, self.data[k], self.manifest, checksum=False)
         scalars = json.dumps(list(snap.manifest.scalars), separators=(",", ":")).encode()
         if len(scalars) > self.scalars_capacity:
             raise SlotError(f"the state's scalars take {len(scalars)} bytes of JSON, the slot has room for "
@@ -199,10 +214,8 @@ class Slots:
         start = PAGE
         mm[start : start + len(scalars)] = scalars
         magic, seq_odd, _, _, _, nbytes, cap, _, lid = self._header(k)
-        HEADER.pack_into(mm, 0, magic, seq_odd, version, snap.checksum, len(scalars), nbytes, cap,
-                         time.time_ns(), lid)
+        HEADER.pack_into(mm, 0, magic, seq_odd, version, 0, len(scalars), nbytes, cap, time.time_ns(), lid)
         self._set_seq(k, seq_odd + 1)  # even: committed
-        return snap.checksum
 
     def discard_newer(self, version: int) -> None:
         """Un-commits every slot newer than ``version`` (the job stepped back to it: those steps are redone)."""
@@ -245,9 +258,10 @@ class Slots:
 
     def _view(self, k: int) -> SlotView | None:
         """Slot k as read now, if it is committed and stayed so while its header was read."""
-        _, seq, version, checksum, slen, *_ = self._header(k)
+        _, seq, version, _, slen, *_ = self._header(k)
         if seq % 2 or slen > self.scalars_capacity:
             return None
+        checked, checksum = struct.unpack_from("<QQ", self._maps[k], CHECKED_OFFSET)
         raw = bytes(self._maps[k][PAGE : PAGE + slen])
         if self._seq(k) != seq:
             return None
@@ -255,7 +269,7 @@ class Slots:
             scalars = json.loads(raw)
         except ValueError:
             return None
-        return SlotView(k, seq, version, checksum, scalars, self.data[k])
+        return SlotView(k, seq, version, checksum if checked == version else None, scalars, self.data[k])
 
     def unchanged(self, view: SlotView) -> bool:
         """True while the worker has not started rewriting the slot ``view`` came from."""
@@ -265,16 +279,36 @@ class Slots:
         """The slot's contents as a codec snapshot (no copy; valid while ``unchanged(view)``)."""
         return codec.Snapshot(self.manifest.with_scalars(view.scalars), view.data, view.checksum)
 
-    def copy_latest(self, version: int = 0) -> tuple[int, codec.Snapshot] | None:
-        """(version, a verified private copy) of the newest committed slot, or of ``version`` if given.
+    def read(self, version: int, take: Callable[[SlotView], T]) -> tuple[SlotView, T] | None:
+        """``take(data)`` of the committed slot holding ``version`` (0: the newest), verified.
 
-        None when no committed slot holds it. Retries when the worker rewrites the slot meanwhile.
+        ``take`` gets the slot's view (its ``data`` is the slot's bytes, no copy) and must copy what it keeps. The slot's checksum is
+        checked against the daemon's record of it (computed here when there is none yet); the result
+        counts only if the worker did not start rewriting the slot meanwhile, else it is read again.
+        None when no committed slot holds ``version``.
+
+        Raises:
+            SlotError: the slot's bytes do not match the daemon's checksum (memory corrupted), or the
+                writer keeps rewriting the slot.
         """
         for _ in range(100):
             view = self.latest() if not version else self._view_of(version)
             if view is None:
                 return None
-            buf = view.data.clone()
-            if self.unchanged(view) and codec.buffer_checksum(buf) == view.checksum:
-                return view.version, codec.Snapshot(self.manifest.with_scalars(view.scalars), buf, view.checksum)
+            got = take(view)
+            checksum = codec.buffer_checksum(view.data)
+            if not self.unchanged(view):
+                continue
+            if view.checksum is not None and checksum != view.checksum:
+                raise SlotError(f"version {view.version} in {self.paths[view.index]} has checksum {checksum:016x}, "
+                                f"the daemon recorded {view.checksum:016x}: the slot's memory is corrupted")
+            return SlotView(view.index, view.seq, view.version, checksum, view.scalars, view.data), got
         raise SlotError(f"could not read a stable copy of {self.paths}: the writer keeps rewriting them")
+
+    def copy_latest(self, version: int = 0) -> tuple[int, codec.Snapshot] | None:
+        """(version, a verified private copy) of the newest committed slot, or of ``version`` if given."""
+        got = self.read(version, lambda view: view.data.clone())
+        if got is None:
+            return None
+        view, buf = got
+        return view.version, codec.Snapshot(self.manifest.with_scalars(view.scalars), buf, view.checksum)

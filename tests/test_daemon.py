@@ -180,3 +180,31 @@ def test_replication_over_mutual_tls_and_health(daemons, tmp_path):
     with grpc.secure_channel(a.address, grpc.ssl_channel_credentials(ca.read_bytes())) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="ffstate.v1.Replica"))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_daemon_checksums_each_commit_and_a_corrupted_slot_is_refused(daemons):
+    """The worker commits without a checksum; the daemon computes it when it takes the slot and a reader
+    verifies against it, so a slot whose memory changed after the commit is never restored."""
+    from helpers import train_states
+
+    a = daemons.start()
+    states = list(train_states(2))
+    manifest = layout.describe(states[0])
+    with a.client() as c:
+        slots = shm.Slots(list(c.attach("j9", 0, 1, manifest).slot_paths), manifest)
+        try:
+            for v, s in enumerate(states, 1):
+                slots.commit(s, v)
+                c.notify_commit("j9", 0, 1, v)
+            wait_until(lambda: all(slots.view(k).checksum is not None for k in range(2)), what="both slots checked")
+            for k in range(2):
+                view = slots.view(k)
+                assert view.checksum == codec.pack(states[view.version - 1]).checksum
+            got = slots.read(2, lambda view: view.data.clone())
+            assert got is not None and torch.equal(got[1], codec.pack(states[1]).buffer)
+            k = slots.view(0).index if slots.view(0).version == 2 else 1
+            slots.data[k][12345] ^= 0x40  # one bit of version 2 flips in memory after the commit
+            with pytest.raises(shm.SlotError, match="corrupted"):
+                slots.read(2, lambda view: view.data.clone())
+        finally:
+            slots.close()

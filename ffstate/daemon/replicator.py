@@ -189,23 +189,27 @@ class Replicator:
         view = shard.slots.view(k)
         if view is None or view.version != version:
             return False
-        if not shard.holders:  # nobody to send to: the slot is the only copy needed
+        if not shard.holders:  # nobody to send to: the slot is the only copy; checksum it for its readers
+            checksum = codec.buffer_checksum(view.data)
+            if not shard.slots.unchanged(view):
+                return False
+            shard.slots.record_checksum(view, checksum)
             shard.slots.mark_taken(view)
             shard.base, shard.base_version, shard.chain = None, version, []
             return True
-        snap = shard.slots.snapshot(view)
         try:
             if shard.base is None:
-                base = codec.Snapshot(snap.manifest, snap.buffer.clone(), view.checksum)
+                buf = view.data.clone()
+                checksum = codec.buffer_checksum(buf)
                 packed = None
-            else:
+            else:  # the worker does not checksum its commits (shm): the daemon does, here
+                checksum = codec.buffer_checksum(view.data)
+                snap = codec.Snapshot(shard.manifest.with_scalars(view.scalars), view.data, checksum)
                 packed = codec.encode_snapshot(snap, shard.base)
             if not shard.slots.unchanged(view):
                 return False
             if packed is None:
-                if codec.buffer_checksum(base.buffer) != view.checksum:
-                    return False
-                shard.base = base
+                shard.base = codec.Snapshot(shard.manifest.with_scalars(view.scalars), buf, checksum)
             else:  # the daemon's copy follows by the same delta; verified against the slot's checksum
                 shard.base = codec.decode_snapshot(packed, shard.base, inplace=True)
                 shard.chain.append((version, shard.base_version, packed))
@@ -213,6 +217,7 @@ class Replicator:
             log.error("%s: reading version %d failed (%s); the next push is a full version", shard.key, version, e)
             shard.base, shard.base_version, shard.chain = None, 0, []
             return False
+        shard.slots.record_checksum(view, checksum)
         shard.slots.mark_taken(view)
         shard.base_version = version
         return True

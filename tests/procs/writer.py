@@ -48,8 +48,8 @@ def main() -> None:
         if version == a.die_mid_write:
             real = codec.pack_into
 
-            def torn(state, out, m=None):
-                real(state, out, m)  # the whole state is written but the header is not: die now,
+            def torn(state, out, m=None, **kw):
+                real(state, out, m, **kw)  # the whole state is written but the header is not: die now,
                 out[: out.numel() // 2].zero_()  # with half the bytes clobbered for good measure
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -1,0 +1,198 @@
+"""Capture and restore benchmark: what ``ff.commit`` holds the training loop for, and how fast a rank comes back.
+
+One process, a real node daemon and a real remote holder (``ffstate serve`` subprocesses on
+loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians over repeats:
+
+- **commit**: ``ff.commit(step)`` of ``ffstate.replicate`` (capture, one copy into the shared-memory
+  slot, publish), next to the two ways a user would copy the same state: into buffers that are
+  already allocated and warm (**warm copy**, the floor), and into new tensors (**clone**, what a
+  snapshot in memory costs);
+- **local restore** (the node survived): from the node's slots into the live model and optimizer,
+  checksum verified, next to a clone of the state (memory-copy speed);
+- **remote restore** (the node is new): fetched from the holder over gRPC, decoded and verified,
+  into the live model and optimizer, next to the gRPC fetch alone (the transport).
+
+Usage: ``ffstate bench capture [--size medium] [--repeats 9]``. Prints a table; writes
+``bench/results/capture.json`` and a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+from pathlib import Path
+
+import torch
+
+import ffstate
+from ffstate import capture, recovery
+from ffstate.bench._report import environment, median_seconds, pyplot, table, write_json
+from ffstate.bench.bandwidth import start_daemon
+from ffstate.bench.codec import SIZES
+from ffstate.client import Client, fetch_striped
+from ffstate.models import TinyGPT
+
+log = logging.getLogger("ffstate.bench.capture")
+JOB = "bench-capture"
+
+
+def _job(size: str, steps: int = 2):
+    torch.manual_seed(0)
+    model = TinyGPT(**SIZES[size])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+    vocab = model.tok.num_embeddings
+    for _ in range(steps):
+        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1)))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def _tensors(state) -> list[torch.Tensor]:
+    out = []
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        state = list(state.values())
+    if isinstance(state, (list, tuple)):
+        for v in state:
+            out += _tensors(v)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(size: str, repeats: int, out_dir: Path) -> dict:
+    token = secrets.token_hex(8)
+    model, opt, sched = _job(size)
+    extra = {"epoch": 0, "offset": 0}
+    state_tensors = _tensors(capture.capture(model, opt, sched, extra))
+    nbytes = sum(t.numel() * t.element_size() for t in state_tensors)
+    warm = [torch.empty_like(t) for t in state_tensors]
+
+    def warm_copy() -> None:
+        for dst, src in zip(warm, state_tensors):
+            dst.copy_(src)
+
+    def clone() -> None:
+        [t.clone() for t in state_tensors]
+
+    node, node_addr = start_daemon(token, memory=8 * nbytes + (256 << 20))
+    holder, holder_addr = start_daemon(token, memory=8 * nbytes + (256 << 20))
+    port = int(node_addr.rsplit(":", 1)[1])
+    cfg = ffstate.Config(job_id=JOB, token=token, base_port=port, start_daemon=False, simulated_nodes=0)
+    old_env = {k: os.environ.pop(k, None) for k in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    try:
+        with ffstate.replicate(model, opt, sched, extra=extra, config=cfg) as ff, \
+                Client(node_addr, token, timeout=60) as node_client, Client(holder_addr, token, timeout=60) as remote:
+            step = iter(range(1, 1 << 30))
+            ff.commit(next(step))
+            commit = median_seconds({"ffstate commit": lambda: ff.commit(next(step)), "warm copy": warm_copy,
+                                     "clone": clone}, repeats)
+            version = ff._last
+            local = node_client.lookup(JOB, 0, 1)
+            mine = recovery.Available(local=[version], remote={holder_addr: [version]})
+            remote.push_and_commit(JOB, 0, 1, version, node_client.fetch(JOB, 0, 1, version))
+
+            def restore(local_msg, holders) -> None:
+                got = recovery.fetch(JOB, 0, 1, version, mine if local_msg else
+                                     recovery.Available(remote=mine.remote), local_msg, holders, version)
+                capture.restore(model, opt, sched, extra, got.state)
+
+            restore_t = median_seconds({
+                "local restore": lambda: restore(local, {}),
+                "remote restore": lambda: restore(None, {holder_addr: remote}),
+                "gRPC fetch alone": lambda: fetch_striped([remote], JOB, 0, 1, version),
+                "clone": clone,
+            }, repeats)
+            remote.drop(JOB)
+    finally:
+        for k, v in old_env.items():
+            if v is not None:
+                os.environ[k] = v
+        for proc in (node, holder):
+            proc.terminate()
+            proc.wait(30)
+    result = {
+        "benchmark": "capture",
+        "environment": environment("cpu"),
+        "config": {"size": size, "state_bytes": nbytes, "tensors": len(state_tensors), "repeats": repeats},
+        "seconds": {"commit": commit["ffstate commit"], "warm_copy": commit["warm copy"],
+                    "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
+                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"]},
+    }
+    s = result["seconds"]
+    result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
+                        "local_restore_over_clone": s["local_restore"] / s["clone"],
+                        "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"]}
+    path = write_json(out_dir, "capture", result)
+    print(report(result))
+    print(f"\nwrote {path}")
+    png = plot(result, out_dir / "capture.png")
+    if png:
+        print(f"wrote {png}")
+    return result
+
+
+def report(result: dict) -> str:
+    s, r, cfg = result["seconds"], result["ratios"], result["config"]
+    gbps = lambda sec: f"{cfg['state_bytes'] / sec / 1e9:.2f}"  # noqa: E731
+    rows = [
+        ["ffstate commit", f"{s['commit'] * 1e3:.1f}", gbps(s["commit"]),
+         f"{r['commit_over_warm_copy']:.2f}x warm copy, {r['commit_over_clone']:.2f}x clone"],
+        ["warm copy", f"{s['warm_copy'] * 1e3:.1f}", gbps(s["warm_copy"]), "floor"],
+        ["clone", f"{s['clone'] * 1e3:.1f}", gbps(s["clone"]), "memory-copy speed"],
+        ["local restore", f"{s['local_restore'] * 1e3:.1f}", gbps(s["local_restore"]),
+         f"{r['local_restore_over_clone']:.2f}x clone"],
+        ["remote restore", f"{s['remote_restore'] * 1e3:.1f}", gbps(s["remote_restore"]),
+         f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed"],
+        ["gRPC fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), "the transport"],
+    ]
+    head = (f"TinyGPT-{cfg['size']} + AdamW: {cfg['state_bytes'] / 1e6:.1f} MB in {cfg['tensors']} tensors, "
+            f"median of {cfg['repeats']}")
+    return "\n".join([head, "", table(rows, ["", "ms", "GB/s", "vs"])])
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    s = result["seconds"]
+    names = ["commit", "warm_copy", "clone", "local_restore", "remote_restore", "fetch"]
+    colors = ["tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.barh([n.replace("_", " ") for n in names][::-1], [s[n] * 1e3 for n in names][::-1], color=colors[::-1])
+    ax.set_xlabel("milliseconds (median)")
+    ax.set_title(f"capture and restore, {result['config']['state_bytes'] / 1e6:.0f} MB state")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", choices=sorted(SIZES), default="medium", help="TinyGPT size (default: medium)")
+    p.add_argument("--repeats", type=int, default=9, help="timed repeats; medians are reported (default: 9)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
+
+
+def main(args: argparse.Namespace) -> int:
+    run(args.size, args.repeats, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
