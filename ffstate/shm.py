@@ -280,11 +280,12 @@ class Slots:
         return codec.Snapshot(self.manifest.with_scalars(view.scalars), view.data, view.checksum)
 
     def read(self, version: int, take: Callable[[SlotView], T]) -> tuple[SlotView, T] | None:
-        """``take(data)`` of the committed slot holding ``version`` (0: the newest), verified.
+        """``take(view)`` of the committed slot holding ``version`` (0: the newest), verified.
 
-        ``take`` gets the slot's view (its ``data`` is the slot's bytes, no copy) and must copy what it keeps. The slot's checksum is
-        checked against the daemon's record of it (computed here when there is none yet); the result
-        counts only if the worker did not start rewriting the slot meanwhile, else it is read again.
+        ``take`` gets the slot's view (its ``data`` is the slot's bytes, no copy) and must copy what
+        it keeps. The slot's checksum is checked against the daemon's record of it (computed here
+        when there is none yet); the result counts only if the worker did not start rewriting the
+        slot meanwhile, else it is read again.
         None when no committed slot holds ``version``.
 
         Raises:
