@@ -91,7 +91,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         age = f"{now - s.last_update_unix:.1f}s ago" if s.last_update_unix else "-"
         table.add_row(address, inv.node_id, key[0], f"{key[1]}/{key[2]}", "local" if s.local else "replica",
                       str(s.version), ",".join(map(str, s.versions)), f"{s.bytes / 1e6:.1f}", age, lag, s.source)
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    razor = Table(title="what each rank replicates (razor: each byte once per data-parallel group)")
+    for col in ("job", "rank", "group", "state MB", "replicated MB", "share", "wire MB/version", "verified",
+                "mismatches"):
+        razor.add_column(col, justify="left" if col in ("job", "group") else "right")
+    for address, inv, s, key in rows:
+        if not s.local:
+            continue
+        wire = f"{s.pushed_bytes / s.pushed_versions / 1e6:.2f}" if s.pushed_versions else "-"
+        if s.HasField("razor"):
+            r = s.razor
+            razor.add_row(key[0], f"{key[1]}/{key[2]}", ",".join(map(str, r.group)) or "none",
+                          f"{r.state_bytes / 1e6:.2f}", f"{r.shard_bytes / 1e6:.2f}",
+                          f"{r.shard_bytes / r.state_bytes:.2f}", wire, str(r.verifications),
+                          f"[red]{r.mismatches}[/red]" if r.mismatches else "0")
+        else:
+            razor.add_row(key[0], f"{key[1]}/{key[2]}", "?", "-", "-", "-", wire, "-", "-")
+    if razor.row_count:
+        console.print(razor)
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
     return 1 if failed else 0

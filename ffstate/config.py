@@ -13,6 +13,7 @@ from typing import Any
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
 LAG_POLICIES = ("block", "skip")
+RAZOR_CHOICES = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class Config:
             after a restore reduces gradients in another order and the run is no longer bit-exact.
         exit_timeout: seconds a clean exit waits for the replicas to catch up.
         connect_timeout: seconds to wait for the node's daemon to answer.
+        razor: ``auto`` replicates each byte once: state a data-parallel group holds identically
+            (DDP's parameters; its optimizer state unless ZeRO shards it) is split across the group
+            and each rank replicates only its part; ``off`` replicates every rank's whole state.
+        razor_identical: state path prefixes (comma-separated, e.g. ``model,optim/state``) that the
+            user declares identical across all ranks, where ``auto`` cannot infer it (a model not
+            wrapped in DDP whose gradients are all-reduced by hand). Verified like the inferred ones.
+        razor_verify_every: the group compares checksums of the entries it believes identical at
+            the first commit and then every this many commits; an entry that differs is logged as
+            an error and falls back to per-rank replication.
     """
 
     chunk_bytes: int = 1 << 20
@@ -71,6 +81,9 @@ class Config:
     shadow_ddp_step: bool = True
     exit_timeout: float = 60.0
     connect_timeout: float = 60.0
+    razor: str = "auto"
+    razor_identical: str = ""
+    razor_verify_every: int = 100
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
@@ -79,6 +92,10 @@ class Config:
             raise ValueError(f"codec_threads must be >= 0, got {self.codec_threads}")
         if self.lag_policy not in LAG_POLICIES:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {self.lag_policy!r}")
+        if self.razor not in RAZOR_CHOICES:
+            raise ValueError(f"razor must be one of {RAZOR_CHOICES}, got {self.razor!r}")
+        if self.razor_verify_every < 1:
+            raise ValueError(f"razor_verify_every must be >= 1, got {self.razor_verify_every}")
         if self.replicas < 0 or self.max_lag < 1 or self.simulated_nodes < 0:
             raise ValueError(f"replicas >= 0, max_lag >= 1, simulated_nodes >= 0; got {self.replicas}, "
                              f"{self.max_lag}, {self.simulated_nodes}")

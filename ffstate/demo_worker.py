@@ -75,8 +75,14 @@ def main() -> None:
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
-    p.add_argument("--parallel", choices=("ddp-zero", "fsdp2"), default="ddp-zero",
-                   help="DDP with a ZeRO-sharded AdamW (default), or FSDP2 (fully_shard) with AdamW")
+    p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2"), default="ddp-zero",
+                   help="DDP with a ZeRO-sharded AdamW (default), DDP with a plain AdamW, or FSDP2 (fully_shard)")
+    p.add_argument("--perturb-rank", type=int, default=-1,
+                   help="after --perturb-step, this rank's copy of one parameter differs from the others' (for "
+                        "the razor's verification; the reference run must be given the same)")
+    p.add_argument("--perturb-step", type=int, default=0)
+    p.add_argument("--status-step", type=int, default=0,
+                   help="rank 0 runs `ffstate status` against every node's daemon after this step (DIR/status.txt)")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{os.environ.get('RANK')} %(name)s: %(message)s")
     a.out.mkdir(parents=True, exist_ok=True)
@@ -90,6 +96,9 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    elif a.parallel == "ddp":
+        model = DDP(TinyGPT(**MODEL))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     else:
         model = DDP(TinyGPT(**MODEL))
@@ -118,6 +127,9 @@ def main() -> None:
         opt.step()
         sched.step()
         extra["samples_seen"] += BATCH * world
+        if rank == a.perturb_rank and step + 1 == a.perturb_step:
+            with torch.no_grad():  # DDP never re-syncs parameters: from now on this rank's copy differs
+                next(model.parameters()).view(-1)[7] += 1e-3
 
     if a.no_ffstate:
         for step in range(a.steps):
@@ -139,6 +151,8 @@ def main() -> None:
                     kill_daemon(a.kill_daemon)
                 if step + 1 == a.kill_node_step and a.kill_node >= 0:
                     _maybe_kill_node(a, rank, per_node, step + 1)
+                if step + 1 == a.status_step and rank == 0:
+                    _status(a.out / "status.txt", world // per_node)
     final = {"params": dict(capture.local(model.state_dict())), "optim": capture.local(capture.optimizer_state(opt)),
              "extra": dict(extra)}
     torch.save(final, a.out / f"final-rank{rank}.pt")
@@ -164,14 +178,28 @@ def _maybe_kill_node(a: argparse.Namespace, rank: int, per_node: int, step: int)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _status(path: Path, nodes: int) -> None:
+    """What an operator sees mid-job: ``ffstate status`` against every node's daemon."""
+    import subprocess
+    import sys
+
+    from ffstate.placement import daemon_address
+
+    cfg = ffstate.Config.from_env()
+    daemons = [arg for n in range(nodes) for arg in ("--daemon", daemon_address(n, cfg))]
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", *daemons], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "COLUMNS": "240"})
+    path.write_text(out.stdout + out.stderr)
+
+
 def _die_inside_the_next_commit(die) -> None:
     """The next commit writes the whole slot, clobbers half of it, and dies before publishing it."""
     from ffstate import codec
 
     real = codec.pack_into
 
-    def torn(state, out, manifest=None):
-        real(state, out, manifest)
+    def torn(state, out, manifest=None, **kw):
+        real(state, out, manifest, **kw)
         out[: out.numel() // 2].zero_()
         die()
 

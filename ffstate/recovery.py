@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,15 +59,28 @@ def survey(job: str, rank: int, world: int, local: pb.AttachResponse | None, hol
     Raises:
         FFStateError: the job's copies were made with another world size (resharding is not supported).
     """
-    got = Available(local=list(local.committed_versions) if local is not None else [])
-    daemons = dict(holders)
+    return survey_ranks(job, [rank], world, {rank: local}, holders, node_daemon)[rank]
+
+
+def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.AttachResponse | None],
+                 daemons: dict[str, Client], node_daemon: Client | None = None) -> dict[int, Available]:
+    """Where each of ``ranks``' shards can be restored from: this node's slots (``lookups``, per rank on
+    this node) and every reachable daemon in ``daemons`` (replicas, and other nodes' slots, which
+    their daemon serves too).
+
+    Raises:
+        FFStateError: the job's copies were made with another world size (resharding is not supported).
+    """
+    got = {r: Available(local=list(lookups[r].committed_versions) if lookups.get(r) is not None else [])
+           for r in ranks}
+    asked = dict(daemons)
     if node_daemon is not None:
-        daemons.setdefault(node_daemon.address, node_daemon)
-    for address, client in daemons.items():
+        asked.setdefault(node_daemon.address, node_daemon)
+    for address, client in asked.items():
         try:
             inv = client.inventory(job)
         except ReplicaUnavailable as e:
-            log.warning("holder %s is unreachable (%s); not counting on its replicas", address, e)
+            log.warning("daemon %s is unreachable (%s); not counting on its copies", address, e)
             continue
         other = sorted({s.shard.world_size for s in inv.shards if s.shard.world_size != world})
         if other:
@@ -74,36 +88,52 @@ def survey(job: str, rank: int, world: int, local: pb.AttachResponse | None, hol
                 f"job {job} has copies made with world size {other} at {address}; this run has world size {world}. "
                 "ffstate restores a rank from the same rank of the same world size (no resharding): restart with "
                 f"world size {other[0]}, or use a new job id (FFSTATE_JOB_ID) to start from scratch")
-        if address not in holders:
+        if address not in daemons:
             continue
         for s in inv.shards:
-            if not s.local and s.shard.rank == rank and s.shard.world_size == world:
-                got.remote[address] = list(s.versions)
+            r = s.shard.rank
+            if r in got and s.shard.world_size == world and s.versions and not (s.local and lookups.get(r)):
+                got[r].remote[address] = list(s.versions)
     return got
 
 
-def negotiate(store: Any, prefix: str, rank: int, world: int, mine: Available, timeout: float = 300.0
-              ) -> tuple[int, int, list[set[int]]]:
+def restorable(available: dict[int, Available]) -> set[int]:
+    """The versions at which every one of the shards can be had from some live copy."""
+    sets = [a.versions for a in available.values()]
+    return set.intersection(*sets) if sets else set()
+
+
+def negotiate(store: Any, prefix: str, rank: int, world: int, mine: Available | set[int], timeout: float = 300.0,
+              missing: list[str] | None = None, seen: int = 0) -> tuple[int, int, list[set[int]]]:
     """(v*, newest version any rank has, every rank's versions), the same on every rank.
+
+    ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs
+    (so that a job whose copies are partly lost is never taken for a new one); ``missing`` says, for
+    the error every rank raises, which of those shards has no live copy at all.
 
     Raises:
         FFStateError: some ranks have versions and others none in common: restoring any version would
             mix steps (never done), and restarting from scratch would silently lose the job's progress.
     """
-    store.set(f"{prefix}/versions/{rank}", json.dumps(sorted(mine.versions)))
+    versions = mine.versions if isinstance(mine, Available) else mine
+    store.set(f"{prefix}/versions/{rank}", json.dumps({"versions": sorted(versions), "missing": missing or [],
+                                                       "seen": max([seen, *versions])}))
     store.wait([f"{prefix}/versions/{r}" for r in range(world)], _timedelta(timeout))
-    everyone = [set(json.loads(store.get(f"{prefix}/versions/{r}"))) for r in range(world)]
-    last = max((max(v) for v in everyone if v), default=0)
+    told = [json.loads(store.get(f"{prefix}/versions/{r}")) for r in range(world)]
+    everyone = [set(t["versions"]) for t in told]
+    last = max(t["seen"] for t in told)
     common = set.intersection(*everyone) if everyone else set()
     if common:
         return max(common), last, everyone
-    if last:
-        missing = [r for r, v in enumerate(everyone) if not v]
+    lost = sorted({line for t in told for line in t["missing"]})
+    if last:  # some copy of the job exists: refuse, never start over silently
+        missing_ranks = [r for r, v in enumerate(everyone) if not v]
+        detail = ("; ".join(lost) + ". ") if lost else ""
         raise FFStateError(
-            f"no version can be restored by every rank: ranks {missing or 'all'} have no copy in common with the "
-            f"others (versions per rank: {[sorted(v)[-3:] for v in everyone]}). Their node and its replica holders "
-            "were lost together; refusing to restore a mix of steps or to restart from step 0 silently. "
-            "Raise Config.replicas, or start the job under a new job id to begin from scratch.")
+            f"no version can be restored by every rank: {detail}Ranks {missing_ranks or 'all'} have no copy in "
+            f"common with the others (versions per rank: {[sorted(v)[-3:] for v in everyone]}). The nodes holding "
+            "those copies were lost together; refusing to restore a mix of steps or to restart from step 0 "
+            "silently. Raise Config.replicas, or start the job under a new job id to begin from scratch.")
     return 0, 0, everyone
 
 
@@ -111,6 +141,22 @@ def fetch(job: str, rank: int, world: int, version: int, mine: Available, local:
           holders: dict[str, Client], last_version: int) -> Restored:
     """The state at ``version``: from the node's slots when they hold it, else from the holders."""
     start = time.perf_counter()
+    state, source, nbytes = _fetch_one(job, rank, world, version, mine, local, holders)
+    return Restored(version, last_version, source, nbytes, time.perf_counter() - start, state)
+
+
+def fetch_ranks(job: str, world: int, version: int, available: dict[int, Available],
+                lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client]
+                ) -> dict[int, tuple[Any, str, int]]:
+    """Each rank's shard at ``version`` as (state, source, bytes), fetched in parallel."""
+    with ThreadPoolExecutor(max(1, min(8, len(available)))) as pool:
+        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons)
+                   for r, a in available.items()}
+        return {r: f.result() for r, f in futures.items()}
+
+
+def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
+               holders: dict[str, Client]) -> tuple[Any, str, int]:
     if local is not None and version in local.committed_versions:
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
@@ -119,10 +165,9 @@ def fetch(job: str, rank: int, world: int, version: int, mine: Available, local:
         finally:
             slots.close()
         if got is not None:
-            state = got[1]
-            return Restored(version, last_version, f"local slots of {local.node_id}", manifest.nbytes,
-                            time.perf_counter() - start, state)
-        log.warning("version %d left this node's slots while restoring; fetching it from the holders", version)
+            return got[1], f"local slots of {local.node_id}", manifest.nbytes
+        log.warning("version %d of rank %d left this node's slots while restoring; fetching it from the holders",
+                    version, rank)
     sources = [a for a, v in mine.remote.items() if version in v]
     if not sources:
         raise ReplicaUnavailable(f"rank {rank}: no live copy of version {version} (holders: {mine.remote})")
@@ -131,7 +176,7 @@ def fetch(job: str, rank: int, world: int, version: int, mine: Available, local:
         state = codec.decode(packed)
     except (ReplicaError, CodecError) as e:
         raise ReplicaUnavailable(f"rank {rank}: fetching version {version} from {sources} failed: {e}") from e
-    return Restored(version, last_version, ",".join(sources), packed.raw_nbytes, time.perf_counter() - start, state)
+    return state, ",".join(sources), packed.raw_nbytes
 
 
 def _timedelta(seconds: float):

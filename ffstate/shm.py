@@ -51,6 +51,8 @@ TAKEN_OFFSET = 128
 # Written by the daemon only: the checksum of the slot's data (at +8, written first) and the version
 # it belongs to (at +0, written last), so a reader never pairs a version with another's checksum.
 CHECKED_OFFSET = 136
+# Written by the worker only: the razor's verification counters (verifications, mismatches), for the daemon.
+RAZOR_OFFSET = 160
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -176,6 +178,14 @@ class Slots:
     def mark_taken(self, view: "SlotView") -> None:
         """Daemon side: the slot's version is read; the worker may overwrite it."""
         struct.pack_into("<Q", self._maps[view.index], TAKEN_OFFSET, view.version)
+
+    def set_razor_counters(self, verifications: int, mismatches: int) -> None:
+        """Worker side: the razor's verification counters, which the daemon reports (``ffstate status``)."""
+        for mm in self._maps:
+            struct.pack_into("<QQ", mm, RAZOR_OFFSET, verifications, mismatches)
+
+    def razor_counters(self) -> tuple[int, int]:
+        return struct.unpack_from("<QQ", self._maps[0], RAZOR_OFFSET) if self._maps else (0, 0)
 
     def record_checksum(self, view: "SlotView", checksum: int) -> None:
         """Daemon side: records the checksum of the slot's data, computed while ``unchanged(view)``."""

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ffstate import capture, layout, placement, recovery, shm
+from ffstate import capture, layout, placement, razor, recovery, shm
+from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client
 from ffstate.config import Config
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
@@ -69,6 +70,13 @@ class Replicated:
         self.global_committed = 0  # min over ranks of the version all their holders have
         self._clients: dict[str, Client] = {}
         self._t0 = time.perf_counter()
+        self.razor_groups: razor.Groups | None = None
+        self.razor_plan: razor.Plan | None = None
+        self.razor_verified = 0  # verifications done by the group
+        self.razor_mismatches = 0  # entries found to differ across the group (each now replicated per rank)
+        self._razor_excluded: set[str] = set()
+        self._commits = 0
+        self._state_bytes = 0
 
     # ------------------------------------------------------------ entry and exit
 
@@ -93,6 +101,9 @@ class Replicated:
         self._run_dir.mkdir(exist_ok=True)
         self.daemon = self._node_daemon()
         self.holders = self._holder_addresses()
+        self.razor_groups = razor.infer(self.model, self.optimizer, rank, world, cfg)
+        log.info("rank %d: razor: %s", rank, self.razor_groups.reason if self.razor_groups else
+                 razor.why_not(world, cfg))
         self._restore()
         return self
 
@@ -110,8 +121,14 @@ class Replicated:
         self._publish(self._replicated if self.holders else self._last)
         log.info("rank %d: job %s done at step %d; global committed version %d", self.rank, self.job, self._last,
                  self.global_committed)
+        razor_info = {}
+        if self._slots is not None:
+            info = self._razor_info(self._slots.manifest)
+            razor_info = {"razor_group": list(info.group), "state_bytes": info.state_bytes,
+                          "shard_bytes": info.shard_bytes, "razor_verifications": self.razor_verified,
+                          "razor_mismatches": self.razor_mismatches}
         self._record({"event": "finished", "rank": self.rank, "step": self._last,
-                      "global_committed": self.global_committed, "attempt": int(self._attempt)})
+                      "global_committed": self.global_committed, "attempt": int(self._attempt), **razor_info})
         if self.topology.first_on_node:
             try:
                 self.daemon.drop(self.job)
@@ -135,7 +152,7 @@ class Replicated:
         """
         if step <= self._last:
             raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase")
-        state = self._capture()
+        state = self._capture(step)
         if self._slots is None:
             self._attach(state)
         block = self.holders and self.cfg.lag_policy == "block"
@@ -176,23 +193,100 @@ class Replicated:
 
     # ------------------------------------------------------------ capture and restore
 
-    def _capture(self) -> dict:
-        return capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
+    def _capture(self, step: int) -> dict:
+        state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
+        if self.razor_groups is None:
+            return state
+        if self._commits % self.cfg.razor_verify_every == 0:
+            self._verify_razor(state, step)
+        self._commits += 1
+        return state if self.razor_plan is None else razor.split(state, self.razor_plan, self.rank)
+
+    def _verify_razor(self, state: dict, step: int) -> None:
+        """The group compares checksums of the entries it believes identical; any that differ fall back to
+        per-rank replication (the same decision on every rank: all see the same checksums)."""
+        plan = razor.Plan.of(state, self.razor_groups, frozenset(self._razor_excluded))
+        if plan is None:
+            self.razor_plan = None
+            return
+        sums = dict(zip(plan.paths, razor.checksums(state, plan)))
+        key = f"{self._prefix}/razor/{step}"
+        self._store.set(f"{key}/{self.rank}", json.dumps(sums))
+        keys = [f"{key}/{r}" for r in plan.group]
+        self._store.wait(keys, recovery._timedelta(self.cfg.connect_timeout))
+        told = [json.loads(v) for v in self._store.multi_get(keys)]
+        differ = sorted({p for p in plan.paths if any(t.get(p) != sums[p] for t in told)})
+        self.razor_verified += 1
+        if differ:
+            self.razor_mismatches += len(differ)
+            log.error("rank %d: RAZOR MISMATCH at step %d: %d entries the group %s believed identical differ across "
+                      "it (non-deterministic kernels, or a bug?), e.g. %s; they are now replicated per rank",
+                      self.rank, step, len(differ), list(plan.group), differ[:3])
+            self._record({"event": "razor-mismatch", "rank": self.rank, "step": step, "entries": differ,
+                          "attempt": int(self._attempt)})
+            self._razor_excluded.update(differ)
+            plan = razor.Plan.of(state, self.razor_groups, frozenset(self._razor_excluded))
+        if plan != self.razor_plan and self._slots is not None:  # a new layout: new slots, full versions
+            self._slots.close()
+            self._slots = None
+            self.daemon.drop(self.job, self.rank, self.world)
+        self._state_bytes = layout.describe(state).nbytes
+        if self._slots is not None:
+            self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
+        if plan != self.razor_plan and plan is not None:
+            full = self._state_bytes
+            log.info("rank %d: razor plan: %d entries (%.1f MB) split over ranks %s, this rank's part %.1f MB; "
+                     "state %.1f MB, replicated %.1f MB", self.rank, len(plan.paths), plan.total_bytes / 1e6,
+                     list(plan.group), plan.part_bytes(plan.group.index(self.rank)) / 1e6, full / 1e6,
+                     (full - plan.total_bytes + plan.part_bytes(plan.group.index(self.rank))) / 1e6)
+        self.razor_plan = plan
+
+    def _razor_info(self, manifest: layout.Manifest) -> pb.RazorInfo:
+        plan = self.razor_plan
+        if self.razor_groups is None or plan is None:
+            why = razor.why_not(self.world, self.cfg) if self.razor_groups is None else "nothing redundant in the state"
+            return pb.RazorInfo(state_bytes=manifest.nbytes, shard_bytes=manifest.nbytes, reason=why)
+        return pb.RazorInfo(group=list(plan.group), state_bytes=self._state_bytes, redundant_bytes=plan.total_bytes,
+                            shard_bytes=manifest.nbytes, reason=self.razor_groups.reason)
 
     def _restore(self) -> None:
-        local = self.daemon.lookup(self.job, self.rank, self.world)
-        holders = {a: self._client(a) for a in self.holders}
-        mine = recovery.survey(self.job, self.rank, self.world, local, holders, self.daemon)
+        me = self.rank
+        needed = sorted({me, *(self.razor_groups.ranks if self.razor_groups else ())})
+        lookups = {r: self.daemon.lookup(self.job, r, self.world) if r in self.topology.node_ranks else None
+                   for r in needed}
+        # This node's daemon counts too: it holds other nodes' ranks' replicas (their parts, under the razor).
+        daemons = {a: self._client(a) for a in [self.daemon.address, *self.holders, *self._other_daemons(needed)]}
+        available = recovery.survey_ranks(self.job, needed, self.world, lookups, daemons, self.daemon)
+        versions = recovery.restorable(available)
+        missing = self._missing(available)
         if self._store is None:
-            v, last = (max(mine.versions), max(mine.versions)) if mine.versions else (0, 0)
+            v, last = (max(versions), max(versions)) if versions else (0, 0)
         else:
-            v, last, _ = recovery.negotiate(self._store, self._prefix, self.rank, self.world, mine)
+            seen = max((max(a.versions) for a in available.values() if a.versions), default=0)
+            v, last, _ = recovery.negotiate(self._store, self._prefix, me, self.world, versions, missing=missing,
+                                            seen=seen)
         if v == 0:
-            log.info("rank %d: no replicas of job %s: starting at step 0", self.rank, self.job)
+            log.info("rank %d: no replicas of job %s: starting at step 0", me, self.job)
             return
-        got = recovery.fetch(self.job, self.rank, self.world, v, mine, local, holders, last)
-        capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, got.state)
-        got.state = None
+        start = time.perf_counter()
+        mine = recovery.fetch_ranks(self.job, self.world, v, {me: available[me]}, lookups, daemons)[me]
+        plan = razor.plan_of(mine[0])
+        if plan is None:
+            state, sources, nbytes = mine[0], mine[1], mine[2]
+        else:
+            if not set(plan.group) <= set(needed):
+                raise FFStateError(f"rank {me}: version {v} was split over ranks {list(plan.group)}, this run expects "
+                                   f"{needed}: was Config.razor changed across the restart? Restart with the same "
+                                   "setting, or under a new job id")
+            others = recovery.fetch_ranks(self.job, self.world, v, {r: available[r] for r in plan.group if r != me},
+                                          lookups, daemons)
+            state = razor.assemble(mine[0], {me: mine[0], **{r: got[0] for r, got in others.items()}})
+            sources = mine[1] + (f"; parts of ranks {sorted(others)} from "
+                                 f"{sorted({got[1] for got in others.values()})}" if others else "")
+            nbytes = mine[2] + sum(got[2] for got in others.values())
+        got = recovery.Restored(v, last, sources, nbytes, time.perf_counter() - start)
+        capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, state)
+        del state
         self.restored, self.start_step, self._last, self._replicated = got, v, v, v  # slots past v* go at attach
         if self.cfg.shadow_ddp_step and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             capture.shadow_step_on_first_forward(self.model)
@@ -207,8 +301,10 @@ class Replicated:
 
     def _attach(self, state: dict) -> None:
         manifest = layout.describe(state)
-        resp = self.daemon.attach(self.job, self.rank, self.world, manifest, holders=self.holders)
+        resp = self.daemon.attach(self.job, self.rank, self.world, manifest, holders=self.holders,
+                                  razor=self._razor_info(manifest))
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
+        self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
         self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
@@ -269,6 +365,35 @@ class Replicated:
         if keys:
             self._store.wait(keys, recovery._timedelta(self.cfg.connect_timeout * 2))
         return [self._store.get(k).decode() for k in keys]
+
+    def _other_daemons(self, ranks: list[int]) -> list[str]:
+        """The daemons of the nodes that keep ``ranks``' copies (their own nodes and their holders), this
+        node's excepted: where a rank finds its group's parts."""
+        topo, nodes = self.topology, set()
+        for r in ranks:
+            node = placement.topology(r, self.world, self.cfg).node
+            nodes.update([node, *placement.holder_nodes(node, topo.num_nodes, self.cfg.replicas)])
+        nodes.discard(topo.node)
+        if self._store is None or not nodes:
+            return []
+        keys = [f"{self._prefix}/daemon/{n}" for n in sorted(nodes)]
+        self._store.wait(keys, recovery._timedelta(self.cfg.connect_timeout * 2))
+        return sorted({self._store.get(k).decode() for k in keys} - set(self.holders))
+
+    def _missing(self, available: dict[int, recovery.Available]) -> list[str]:
+        """The shards this rank needs that have no live copy at all, and the nodes that kept them."""
+        lost = []
+        for r, a in sorted(available.items()):
+            if a.versions:
+                continue
+            node = placement.topology(r, self.world, self.cfg).node
+            holders = placement.holder_nodes(node, self.topology.num_nodes, self.cfg.replicas)
+            replicas = f" and {', '.join(f'node{n}' for n in holders)} (replicas)" if holders else ""
+            lost.append(f"no live copy of rank {r}'s shard (it was kept on node{node} (slots){replicas})")
+        if lost and self.razor_groups is not None:
+            lost.append("with the razor on, every rank of a data-parallel group needs every member's part of the "
+                        "redundant state, so the group's surviving ranks cannot restore either")
+        return lost
 
     def _replicated_version(self) -> int:
         resp = self.daemon.inventory(self.job)

@@ -17,16 +17,36 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders")
+    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders", "razor")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     SCALARS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    RAZOR_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     manifest_json: bytes
     scalars_capacity: int
     holders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
+    razor: RazorInfo
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ...) -> None: ...
+
+class RazorInfo(_message.Message):
+    __slots__ = ("group", "state_bytes", "redundant_bytes", "shard_bytes", "reason", "verifications", "mismatches")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REDUNDANT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VERIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    group: _containers.RepeatedScalarFieldContainer[int]
+    state_bytes: int
+    redundant_bytes: int
+    shard_bytes: int
+    reason: str
+    verifications: int
+    mismatches: int
+    def __init__(self, group: _Optional[_Iterable[int]] = ..., state_bytes: _Optional[int] = ..., redundant_bytes: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., reason: _Optional[str] = ..., verifications: _Optional[int] = ..., mismatches: _Optional[int] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("slot_paths", "slot_bytes", "node_id", "committed_version", "committed_versions", "manifest_json")
@@ -131,7 +151,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +160,9 @@ class ShardInfo(_message.Message):
     LAST_UPDATE_UNIX_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RAZOR_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -148,7 +171,10 @@ class ShardInfo(_message.Message):
     last_update_unix: float
     source: str
     replicated_version: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ...) -> None: ...
+    razor: RazorInfo
+    pushed_bytes: int
+    pushed_versions: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget")

@@ -21,7 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from ffstate import codec
 from ffstate.client import Client
@@ -79,6 +79,9 @@ class LocalShard:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     last_push: float = 0.0
+    pushed_bytes: int = 0  # on the wire, to all holders
+    pushed_versions: int = 0  # counted once per holder
+    razor: Any = None  # the worker's RazorInfo (protobuf, passed through for the reports)
 
     @property
     def replicated_version(self) -> int:
@@ -238,6 +241,8 @@ class Replicator:
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
         holder.acked, holder.failures = version, 0
+        shard.pushed_bytes += packed.nbytes
+        shard.pushed_versions += 1
         log.info("pushed %s version %d to %s: %s, %d bytes (%.2fx)", k, version, holder.address, packed.kind,
                  packed.nbytes, packed.ratio)
         return True

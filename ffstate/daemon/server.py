@@ -156,6 +156,7 @@ class Daemon(pb_grpc.ReplicaServicer):
                          [h.address for h in shard.holders])
             else:
                 shard = self._create_local(key, manifest, cap, holders)
+            shard.razor = request.razor if request.HasField("razor") else None
         return self._describe(shard)
 
     def _describe(self, shard: LocalShard) -> pb.AttachResponse:
@@ -267,11 +268,17 @@ class Daemon(pb_grpc.ReplicaServicer):
                 if request.job_id and key.job_id != request.job_id:
                     continue
                 done = s.slots.committed()
+                razor = None
+                if s.razor is not None:
+                    razor = pb.RazorInfo()
+                    razor.CopyFrom(s.razor)
+                    razor.verifications, razor.mismatches = s.slots.razor_counters()
                 shards.append(pb.ShardInfo(
                     shard=pb.ShardKey(job_id=key.job_id, rank=key.rank, world_size=key.world_size), local=True,
                     version=done[0][0] if done else 0, versions=[v for v, _ in done], bytes=s.reserved,
                     last_update_unix=s.last_push, source=str(s.paths[0].parent),
-                    replicated_version=s.replicated_version))
+                    replicated_version=s.replicated_version, razor=razor, pushed_bytes=s.pushed_bytes,
+                    pushed_versions=s.pushed_versions))
             for r in self.store.inventory(request.job_id):
                 k = r["key"]
                 shards.append(pb.ShardInfo(

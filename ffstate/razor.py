@@ -1,0 +1,225 @@
+"""Replicate each byte once: state a data-parallel group holds identically is split across the group.
+
+Under DDP every rank of the group holds the same parameters (and, with a plain optimizer, the same
+optimizer state), bit for bit; with a ZeroRedundancyOptimizer the parameters are still identical
+and only the optimizer shards differ. ``infer`` says which entries of the captured state are
+redundant and across which ranks; ``Plan`` cuts their bytes into one contiguous part per rank of
+the group (element boundaries, dtype kept, so the codec's byte planes still apply); ``split`` turns a
+rank's captured state into what it commits: its own entries, a placeholder where each redundant
+entry was, and its part of the redundant bytes. ``assemble`` puts a rank's state back together from
+its own shard and every group member's part. The claim "identical" is verified, not trusted:
+``checksums`` gives one checksum per redundant entry for the group to compare (the trainer does, at
+the first commit and every ``Config.razor_verify_every`` commits), and an entry that differs falls
+back to per-rank replication.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ffstate import codec, layout
+from ffstate.config import Config
+from ffstate.errors import FFStateError
+
+log = logging.getLogger("ffstate.razor")
+
+PLACEHOLDER = "ffstate.razor"  # the key of the dict that stands where a redundant entry was
+
+
+@dataclass(frozen=True)
+class Groups:
+    """What ``infer`` found: the ranks that hold ``prefixes`` identically, and why."""
+
+    ranks: tuple[int, ...]
+    prefixes: tuple[str, ...]
+    reason: str
+
+
+def infer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int, cfg: Config) -> Groups | None:
+    """The redundancy of a job's state, from what it is wrapped in (None: every byte is the rank's own).
+
+    DDP: the model's state across the DDP process group, and the optimizer state too unless the
+    optimizer is a ZeroRedundancyOptimizer (its shards are per rank). FSDP2 and a single process:
+    nothing. ``Config.razor_identical`` (state path prefixes, e.g. ``"model,optim/state"``) declares
+    entries identical across the whole world where this cannot be inferred.
+    """
+    if cfg.razor == "off" or world == 1:
+        return None
+    if cfg.razor_identical:
+        prefixes = tuple(p.strip().strip("/") for p in cfg.razor_identical.split(",") if p.strip())
+        return Groups(tuple(range(world)), prefixes, f"declared identical across the world: {', '.join(prefixes)}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        import torch.distributed as dist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        ranks = tuple(sorted(dist.get_process_group_ranks(model.process_group)))
+        if len(ranks) < 2:
+            return None
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return Groups(ranks, ("model",), f"DDP over ranks {list(ranks)}; ZeRO optimizer shards are per rank")
+        return Groups(ranks, ("model", "optim/state"), f"DDP over ranks {list(ranks)} with a replicated optimizer")
+    return None
+
+
+def why_not(world: int, cfg: Config) -> str:
+    """Why ``infer`` found nothing to split, for the logs and ``ffstate status``."""
+    if cfg.razor == "off":
+        return "razor off (Config.razor)"
+    if world == 1:
+        return "one process: nothing to share"
+    return ("no state is held identically by a group of ranks (not DDP, or FSDP2 shards); "
+            "Config.razor_identical declares such state")
+
+
+def _matches(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The redundant entries of a state (paths, dtypes, shapes, in state order) and the group splitting them."""
+
+    group: tuple[int, ...]
+    paths: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @staticmethod
+    def of(state: Any, groups: Groups, exclude: frozenset[str] = frozenset()) -> "Plan | None":
+        """The plan for ``state`` (None when nothing in it is redundant); ``exclude``: entries that fell back."""
+        _, leaves, _ = layout.flatten(state)
+        chosen = [(p, t) for p, t in leaves if isinstance(t, torch.Tensor) and p not in exclude
+                  and _matches(p, groups.prefixes) and t.numel() and t.is_contiguous() and t.dtype in layout.DTYPE_NAMES]
+        if not chosen:
+            return None
+        return Plan(groups.ranks, tuple(p for p, _ in chosen), tuple(layout.DTYPE_NAMES[t.dtype] for _, t in chosen),
+                    tuple(tuple(t.shape) for _, t in chosen))
+
+    def to_json(self) -> str:
+        return json.dumps([list(self.group), list(self.paths), list(self.dtypes), [list(s) for s in self.shapes]],
+                          separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        group, paths, dtypes, shapes = json.loads(text)
+        return Plan(tuple(group), tuple(paths), tuple(dtypes), tuple(tuple(s) for s in shapes))
+
+    def nbytes(self, i: int) -> int:
+        n = layout.DTYPES[self.dtypes[i]].itemsize
+        for d in self.shapes[i]:
+            n *= d
+        return n
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.nbytes(i) for i in range(len(self.paths)))
+
+    def parts(self) -> list[list[tuple[int, int, int]]]:
+        """Per group member, its part: (entry, first element, end element) pieces, in state order.
+
+        The redundant bytes, laid end to end, are cut at 1/G, 2/G, ... of their total, each cut
+        rounded down to an element of the entry it falls in, so the parts tile every entry exactly.
+        """
+        size = len(self.group)
+        total = self.total_bytes
+        cuts = [total * g // size for g in range(size + 1)]
+        out: list[list[tuple[int, int, int]]] = [[] for _ in range(size)]
+        offset = 0
+        for i in range(len(self.paths)):
+            n = self.nbytes(i)
+            item = layout.DTYPES[self.dtypes[i]].itemsize
+            elems = [min(max((c - offset) // item, 0), n // item) for c in cuts]
+            for g in range(size):
+                if elems[g] < elems[g + 1]:
+                    out[g].append((i, elems[g], elems[g + 1]))
+            offset += n
+        return out
+
+    def part_bytes(self, member: int) -> int:
+        return sum((e - s) * layout.DTYPES[self.dtypes[i]].itemsize for i, s, e in self.parts()[member])
+
+
+def split(state: Any, plan: Plan, rank: int) -> dict:
+    """What ``rank`` commits: its own entries (placeholders for the redundant ones) and its part of them."""
+    index = {p: i for i, p in enumerate(plan.paths)}
+    found: dict[int, torch.Tensor] = {}
+    own = _substitute(state, "", index, found)
+    if len(found) != len(plan.paths):
+        missing = [p for i, p in enumerate(plan.paths) if i not in found][:3]
+        raise FFStateError(f"the state no longer has the redundant entries it was planned with (e.g. {missing})")
+    member = plan.group.index(rank)
+    part = [found[i].reshape(-1)[s:e] for i, s, e in plan.parts()[member]]
+    return {"own": own, "razor": {"plan": plan.to_json(), "member": member, "part": part}}
+
+
+def plan_of(shard: Any) -> Plan | None:
+    """The plan a committed shard was made with (None: a shard without the razor)."""
+    if isinstance(shard, dict) and set(shard) == {"own", "razor"}:
+        return Plan.from_json(shard["razor"]["plan"])
+    return None
+
+
+def assemble(mine: dict, parts: dict[int, dict]) -> Any:
+    """This rank's whole state from its shard ``mine`` and the shards of every group member (by rank).
+
+    Raises:
+        FFStateError: a member's shard is missing or was made with another plan (never a mixed state).
+    """
+    plan = plan_of(mine)
+    assert plan is not None
+    text = mine["razor"]["plan"]
+    tensors = [torch.empty(shape, dtype=layout.DTYPES[dt]) for dt, shape in zip(plan.dtypes, plan.shapes)]
+    for member, pieces in enumerate(plan.parts()):
+        rank = plan.group[member]
+        shard = parts.get(rank)
+        if shard is None or plan_of(shard) is None or shard["razor"]["plan"] != text:
+            raise FFStateError(f"rank {rank}'s part of the redundant state is missing or was made with another "
+                               "redundancy plan; refusing to assemble a mixed state")
+        for (i, s, e), t in zip(pieces, shard["razor"]["part"]):
+            layout.copy_bits(tensors[i].reshape(-1)[s:e], t)
+    return _fill(mine["own"], tensors)
+
+
+def checksums(state: Any, plan: Plan) -> list[int]:
+    """One checksum per redundant entry of ``state`` (the group compares them to verify the plan)."""
+    by_path = dict(layout.flatten(state)[1])
+    out = []
+    for p in plan.paths:
+        out.append(codec.buffer_checksum(by_path[p].detach().reshape(-1).view(torch.uint8)))
+    return out
+
+
+def _substitute(obj: Any, path: str, index: dict[str, int], found: dict[int, torch.Tensor]) -> Any:
+    """``obj`` with each leaf at a path in ``index`` replaced by a placeholder (paths as ``layout.flatten``)."""
+    if isinstance(obj, torch.Tensor):
+        i = index.get(path)
+        if i is None:
+            return obj
+        found[i] = obj.detach()
+        return {PLACEHOLDER: i}
+    if isinstance(obj, dict):
+        out = type(obj)((k, _substitute(v, f"{path}/{k}" if path else str(k), index, found)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_substitute(v, f"{path}/{i}", index, found) for i, v in enumerate(obj))
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {PLACEHOLDER}:
+            return tensors[obj[PLACEHOLDER]]
+        out = type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj

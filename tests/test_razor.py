@@ -1,0 +1,91 @@
+"""The razor's plan, split and assembly (pure code; the torchrun jobs that use it are in test_trainer.py)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ffstate import Config, FFStateError, codec, layout
+from ffstate.razor import Groups, Plan, assemble, checksums, split
+from helpers import assert_bitwise_equal, train_states
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]
+
+
+def random_tensor(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (*shape, torch.empty(0, dtype=dtype).element_size()), dtype=torch.uint8,
+                         generator=g).view(dtype).reshape(shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=3), min_size=1, max_size=6),
+       dtypes=st.lists(st.sampled_from(range(len(DTYPES))), min_size=6, max_size=6),
+       group=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_parts_tile_every_entry_and_assembly_is_bitwise(shapes, dtypes, group, seed):
+    states = []
+    for r in range(group):  # every rank: the same model, its own "opt" entry and RNG
+        model = {f"w{i}": random_tensor(s, DTYPES[dtypes[i]], seed + i) for i, s in enumerate(shapes)}
+        states.append({"model": model, "opt": torch.full((3,), r), "step": 5})
+    groups = Groups(tuple(range(group)), ("model",), "test")
+    plan = Plan.of(states[0], groups)
+    if plan is None:  # every entry empty
+        assert all(t.numel() == 0 for t in states[0]["model"].values())
+        return
+    covered = {i: [] for i in range(len(plan.paths))}
+    for member in plan.parts():
+        for i, s, e in member:
+            covered[i].append((s, e))
+    for i, ranges in covered.items():  # the parts tile each entry: no gap, no overlap
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == plan.nbytes(i) // layout.DTYPES[plan.dtypes[i]].itemsize
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert sum(plan.part_bytes(m) for m in range(group)) == plan.total_bytes
+    shards = {r: codec.unpack(codec.pack(split(states[r], plan, r))) for r in range(group)}  # through bytes
+    for r in range(group):
+        assert_bitwise_equal(assemble(shards[r], shards), states[r])
+
+
+def test_parts_are_balanced_and_a_shard_is_about_a_quarter():
+    state = list(train_states(1))[0]
+    plan = Plan.of(state, Groups((0, 1, 2, 3), ("model", "optim/state"), "test"))
+    sizes = [plan.part_bytes(m) for m in range(4)]
+    assert max(sizes) - min(sizes) <= 8  # cut at element boundaries: within one element of 1/4
+    whole = layout.describe(state).nbytes
+    shard = layout.describe(split(state, plan, 2)).nbytes
+    assert plan.part_bytes(2) < shard < 0.26 * whole, (shard, whole)  # its part, plus RNG states and extras
+
+
+def test_assembly_refuses_a_missing_part_or_another_plan():
+    states = [{"model": {"w": torch.arange(100.0) + 0}, "rng": torch.full((4,), r)} for r in range(2)]
+    plan = Plan.of(states[0], Groups((0, 1), ("model",), "test"))
+    shards = {r: split(states[r], plan, r) for r in range(2)}
+    with pytest.raises(FFStateError, match="rank 1's part"):
+        assemble(shards[0], {0: shards[0]})
+    other = Plan(plan.group, plan.paths, plan.dtypes, ((10, 10),))
+    with pytest.raises(FFStateError, match="another"):
+        assemble(shards[0], {0: shards[0], 1: split({"model": {"w": torch.zeros(10, 10)}, "rng": states[1]["rng"]},
+                                                    other, 1)})
+
+
+def test_checksums_tell_identical_entries_from_different_ones():
+    a = {"model": {"w": torch.arange(10.0), "v": torch.ones(3)}}
+    b = {"model": {"w": torch.arange(10.0), "v": torch.ones(3)}}
+    b["model"]["v"][1] = 1.0000001
+    plan = Plan.of(a, Groups((0, 1), ("model",), "test"))
+    sa, sb = checksums(a, plan), checksums(b, plan)
+    assert sa[plan.paths.index("model/w")] == sb[plan.paths.index("model/w")]
+    assert sa[plan.paths.index("model/v")] != sb[plan.paths.index("model/v")]
+
+
+def test_declared_identical_entries_and_a_single_process(monkeypatch):
+    from ffstate.razor import infer
+
+    model, opt = torch.nn.Linear(2, 2), None
+    assert infer(model, opt, 0, 1, Config(razor_identical="model")) is None  # one process: nothing to split
+    g = infer(model, opt, 1, 4, Config(razor_identical="model, optim/state"))
+    assert g.ranks == (0, 1, 2, 3) and g.prefixes == ("model", "optim/state")
+    assert infer(model, opt, 1, 4, Config()) is None  # not DDP, nothing declared: every byte is the rank's own
+    assert infer(model, opt, 1, 4, Config(razor="off", razor_identical="model")) is None
+    with pytest.raises(ValueError, match="razor"):
+        Config(razor="sometimes")
