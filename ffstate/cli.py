@@ -161,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = bench.add_subparsers(dest="benchmark", required=True)
     from ffstate.bench import bandwidth as bandwidth_bench
     from ffstate.bench import capture as capture_bench
+    from ffstate.bench import overhead as overhead_bench
     from ffstate.bench import codec as codec_bench
 
     p = which.add_parser("codec", help="codec throughput vs plain copy, compression vs zlib-1, on AdamW state")
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("capture", help="commit hold time vs a copy; local and remote restore vs copy and transport")
     capture_bench.add_arguments(p)
     p.set_defaults(run=capture_bench.main)
+    p = which.add_parser("overhead", help="step time and bytes replicated per step: ffstate off, on, razor off/on")
+    overhead_bench.add_arguments(p)
+    p.set_defaults(run=overhead_bench.main)
     return parser
 
 

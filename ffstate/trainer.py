@@ -191,6 +191,28 @@ class Replicated:
             log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions "
                         "(policy block)", self.rank, step, held, self.cfg.max_lag)
 
+    def stats(self, wait: float = 0.0) -> dict:
+        """What this rank's node daemon reports about it, after waiting up to ``wait`` seconds for the
+        replicas to catch up with the last commit.
+
+        Returns a dict: ``version`` (last commit), ``replicated_version``, ``pushed_bytes`` and
+        ``pushed_versions`` (on the wire, counted per holder), ``state_bytes`` (the whole state),
+        ``shard_bytes`` (what this rank replicates: with the razor, its own entries and its part),
+        ``razor_group``, ``razor_verifications``, ``razor_mismatches``.
+        """
+        if wait:
+            self._wait_replicated(wait)
+        resp = self.daemon.inventory(self.job)
+        mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
+        out = {"version": self._last, "replicated_version": 0, "pushed_bytes": 0, "pushed_versions": 0}
+        if mine:
+            s = mine[0]
+            out.update(replicated_version=s.replicated_version, pushed_bytes=s.pushed_bytes,
+                       pushed_versions=s.pushed_versions, state_bytes=s.razor.state_bytes,
+                       shard_bytes=s.razor.shard_bytes, razor_group=list(s.razor.group),
+                       razor_verifications=s.razor.verifications, razor_mismatches=s.razor.mismatches)
+        return out
+
     # ------------------------------------------------------------ capture and restore
 
     def _capture(self, step: int) -> dict:
@@ -269,7 +291,8 @@ class Replicated:
             log.info("rank %d: no replicas of job %s: starting at step 0", me, self.job)
             return
         start = time.perf_counter()
-        mine = recovery.fetch_ranks(self.job, self.world, v, {me: available[me]}, lookups, daemons)[me]
+        shards = recovery.fetch_ranks(self.job, self.world, v, available, lookups, daemons)  # in parallel
+        mine = shards[me]
         plan = razor.plan_of(mine[0])
         if plan is None:
             state, sources, nbytes = mine[0], mine[1], mine[2]
@@ -278,9 +301,8 @@ class Replicated:
                 raise FFStateError(f"rank {me}: version {v} was split over ranks {list(plan.group)}, this run expects "
                                    f"{needed}: was Config.razor changed across the restart? Restart with the same "
                                    "setting, or under a new job id")
-            others = recovery.fetch_ranks(self.job, self.world, v, {r: available[r] for r in plan.group if r != me},
-                                          lookups, daemons)
-            state = razor.assemble(mine[0], {me: mine[0], **{r: got[0] for r, got in others.items()}})
+            others = {r: got for r, got in shards.items() if r != me}
+            state = razor.assemble(mine[0], {r: got[0] for r, got in shards.items()})
             sources = mine[1] + (f"; parts of ranks {sorted(others)} from "
                                  f"{sorted({got[1] for got in others.values()})}" if others else "")
             nbytes = mine[2] + sum(got[2] for got in others.values())
@@ -398,6 +420,10 @@ class Replicated:
     def _replicated_version(self) -> int:
         resp = self.daemon.inventory(self.job)
         mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
+        if not mine and self._slots is not None:
+            # Another daemon answers at the address (a node-mate restarted it): ours is gone, with our slots.
+            raise ReplicaUnavailable(f"the daemon at {self.daemon.address} does not know rank {self.rank}: it was "
+                                     "restarted")
         version = mine[0].replicated_version if mine else 0
         self._publish(version)
         return version

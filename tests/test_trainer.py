@@ -52,7 +52,7 @@ def torchrun(out: Path, env: dict, *extra: str, ok: bool = True, restarts: int =
     return proc
 
 
-def events(tmp: Path, job: str, kind: str) -> list[dict]:
+def job_events(tmp: Path, job: str, kind: str) -> list[dict]:
     path = tmp / f"ffstate-{job}" / "events.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return [e for e in rows if e["event"] == kind]
@@ -110,6 +110,9 @@ def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
     assert remote == [2, 3]  # node 1's ranks came back from node 0's daemon
     assert compare(tmp_path / "out", reference, 4) == []
     assert not list((tmp_path / f"ffstate-{job}").glob("daemon-*.pid")), "a daemon outlived the job"
+    # ZeRO: the parameters are split 4 ways (razor), each rank's optimizer shard is replicated whole.
+    for e in job_events(tmp_path, job, "finished"):
+        assert e["razor_group"] == [0, 1, 2, 3] and e["shard_bytes"] < 0.6 * e["state_bytes"], e
 
 
 def test_daemon_killed_while_training_goes_on_then_a_rank_dies(reference, tmp_path):
@@ -162,6 +165,9 @@ def test_fsdp2_rank_killed_resumes_bit_exact(tmp_path):
     events = restores(tmp_path, job)
     assert {e["version"] for e in events} == {4} and {e["steps_lost"] for e in events} == {0}
     assert compare(tmp_path / "out", ref / "out", 4) == []
+    finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "finished"]  # FSDP2: every rank's shard is its own, nothing to split
+    assert len(finished) == 4 and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
 
 
 # ---------------------------------------------------------------- the razor: each byte replicated once per DP group
@@ -180,11 +186,11 @@ def test_razor_ddp_rank_killed_rebuilds_from_the_groups_parts_bit_exact(referenc
     job = f"t{uuid.uuid4().hex[:6]}"
     torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-rank", "2", "--kill-step", "5",
              "--status-step", "8")
-    restored = events(tmp_path, job, "restored")
+    restored = job_events(tmp_path, job, "restored")
     assert {e["version"] for e in restored} == {5} and {e["steps_lost"] for e in restored} == {0}
     assert all("parts of ranks" in e["source"] for e in restored)
     assert compare(tmp_path / "out", reference_ddp, 4) == []
-    finished = events(tmp_path, job, "finished")
+    finished = job_events(tmp_path, job, "finished")
     assert {tuple(e["razor_group"]) for e in finished} == {(0, 1, 2, 3)}
     assert all(e["shard_bytes"] < 0.26 * e["state_bytes"] for e in finished), finished
     status = (tmp_path / "out" / "status.txt").read_text()
@@ -194,7 +200,7 @@ def test_razor_ddp_rank_killed_rebuilds_from_the_groups_parts_bit_exact(referenc
 def test_razor_ddp_node_lost_rebuilds_from_the_surviving_copies_bit_exact(reference_ddp, tmp_path):
     job = f"t{uuid.uuid4().hex[:6]}"
     torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-node", "1", "--kill-node-step", "6")
-    restored = events(tmp_path, job, "restored")
+    restored = job_events(tmp_path, job, "restored")
     assert len(restored) == 4 and len({e["version"] for e in restored}) == 1
     assert all(e["steps_lost"] <= Config().max_lag for e in restored)
     assert compare(tmp_path / "out", reference_ddp, 4) == []
@@ -211,12 +217,12 @@ def test_razor_mismatch_in_a_supposedly_identical_entry_is_detected_and_falls_ba
     env = {**env_for(tmp_path, job), "FFSTATE_RAZOR_VERIFY_EVERY": "3"}
     proc = torchrun(tmp_path / "out", env, *perturb, "--kill-rank", "1", "--kill-step", "8")
     assert "RAZOR MISMATCH at step 4" in proc.stdout + proc.stderr
-    mismatches = events(tmp_path, job, "razor-mismatch")
+    mismatches = job_events(tmp_path, job, "razor-mismatch")
     assert {e["rank"] for e in mismatches if e["attempt"] == 0} == {0, 1, 2, 3}
     assert {tuple(e["entries"]) for e in mismatches} == {("model/module.pos",)}
-    assert {e["version"] for e in events(tmp_path, job, "restored")} == {8}
+    assert {e["version"] for e in job_events(tmp_path, job, "restored")} == {8}
     assert compare(tmp_path / "out", ref / "out", 4) == []
-    assert all(e["razor_mismatches"] >= 1 for e in events(tmp_path, job, "finished"))
+    assert all(e["razor_mismatches"] >= 1 for e in job_events(tmp_path, job, "finished"))
 
 
 def test_razor_part_with_no_live_copy_fails_with_the_precise_error(tmp_path):
@@ -232,7 +238,7 @@ def test_razor_part_with_no_live_copy_fails_with_the_precise_error(tmp_path):
     assert "no live copy of rank 2's shard (it was kept on node1 (slots))" in out
     assert "no live copy of rank 3's shard (it was kept on node1 (slots))" in out
     assert "every member's part" in out
-    assert not events(tmp_path, job, "restored")
+    assert not job_events(tmp_path, job, "restored")
     for pid_file in (tmp_path / f"ffstate-{job}").glob("daemon-*.pid"):  # the failed job's daemons keep its copies
         try:
             os.kill(int(pid_file.read_text()), signal.SIGTERM)

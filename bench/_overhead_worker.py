@@ -1,0 +1,97 @@
+"""The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn.
+
+    torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero
+        [--modes off,razor-off,razor-on] [--steps 10] [--repeats 3] [--size small|medium|large]
+
+Modes: ``off`` (no ffstate), ``razor-off`` (ffstate replicating every rank's whole state) and
+``razor-on`` (each byte once per data-parallel group). Each phase is a fresh ffstate job on the same
+model, so its first commit sends a full version; step times are taken from the third step on, and
+the bytes on the wire per step are the daemon's counters between the second and the last commit
+(deltas only). Every rank writes ``DIR/overhead-rank<R>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ffstate
+from ffstate.bench.codec import SIZES
+from ffstate.models import TinyGPT
+
+FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--parallel", choices=("ddp", "ddp-zero"), default="ddp")
+    p.add_argument("--modes", default="off,razor-off,razor-on")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(TinyGPT(**SIZES[a.size]))
+    if a.parallel == "ddp":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    vocab, seq = SIZES[a.size]["vocab"], SIZES[a.size]["seq"]
+    counter = iter(range(1 << 30))
+
+    def train_step() -> None:
+        g = torch.Generator().manual_seed(1_000_003 * next(counter) + rank)
+        idx = torch.randint(0, vocab, (8, seq + 1), generator=g)
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    modes = a.modes.split(",")
+    results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0} for m in modes}
+    for r in range(a.repeats):
+        for mode in modes:
+            res = results[mode]
+            dist.barrier()
+            if mode == "off":
+                for i in range(a.steps):
+                    start = time.perf_counter()
+                    train_step()
+                    if i >= FIRST_TIMED:
+                        res["step_seconds"].append(time.perf_counter() - start)
+                continue
+            cfg = ffstate.Config.from_env(razor="auto" if mode == "razor-on" else "off", start_daemon=False,
+                                          job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
+            with ffstate.replicate(model, opt, config=cfg) as ff:
+                for i in range(a.steps):
+                    start = time.perf_counter()
+                    train_step()
+                    ff.commit(i + 1)
+                    if i >= FIRST_TIMED:
+                        res["step_seconds"].append(time.perf_counter() - start)
+                    if i == 1:
+                        before = ff.stats(wait=60)
+                after = ff.stats(wait=60)
+            res["wire_bytes"] += after["pushed_bytes"] - before["pushed_bytes"]
+            res["wire_versions"] += after["pushed_versions"] - before["pushed_versions"]
+            res["state_bytes"], res["shard_bytes"] = after.get("state_bytes", 0), after.get("shard_bytes", 0)
+    (a.out / f"overhead-rank{rank}.json").write_text(json.dumps({"rank": rank, "parallel": a.parallel,
+                                                                 "results": results}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
