@@ -18,6 +18,7 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -148,6 +149,15 @@ def main(args: argparse.Namespace) -> int:
                       f"{max(e['restore_seconds'] for e in mine) * 1e3:.0f} ms", sources,
                       f"{lost_ckpt} ({lost_ckpt * step_time:.1f}s)", f"{load_s * 1e3:.0f} ms")
     console.print(table)
+    finished = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
+                if json.loads(line).get("event") == "finished"]
+    if finished and finished[0].get("razor_group"):
+        share = statistics.median(e["shard_bytes"] / e["state_bytes"] for e in finished)
+        group = finished[0]["razor_group"]
+        console.print(f"razor: DDP keeps the parameters identical on ranks {group}, so each rank replicated its "
+                      f"1/{len(group)} of them plus its own ZeRO optimizer shard: {share:.2f} of its "
+                      f"{finished[0]['state_bytes'] / 1e6:.1f} MB state; every restore put the parameters back "
+                      f"together from all {len(group)} ranks' parts")
     diffs = compare(failing, reference, 4)
     if diffs:
         console.print(f"[bold red]NOT bit-identical[/bold red]: {len(diffs)} differences, e.g. {diffs[:5]}")

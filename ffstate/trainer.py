@@ -294,8 +294,9 @@ class Replicated:
         shards = recovery.fetch_ranks(self.job, self.world, v, available, lookups, daemons)  # in parallel
         mine = shards[me]
         plan = razor.plan_of(mine[0])
+        parts: dict[int, str] = {}  # under the razor: where each group member's part came from
         if plan is None:
-            state, sources, nbytes = mine[0], mine[1], mine[2]
+            state, nbytes = mine[0], mine[2]
         else:
             if not set(plan.group) <= set(needed):
                 raise FFStateError(f"rank {me}: version {v} was split over ranks {list(plan.group)}, this run expects "
@@ -303,21 +304,21 @@ class Replicated:
                                    "setting, or under a new job id")
             others = {r: got for r, got in shards.items() if r != me}
             state = razor.assemble(mine[0], {r: got[0] for r, got in shards.items()})
-            sources = mine[1] + (f"; parts of ranks {sorted(others)} from "
-                                 f"{sorted({got[1] for got in others.values()})}" if others else "")
+            parts = {r: got[1] for r, got in sorted(others.items())}
             nbytes = mine[2] + sum(got[2] for got in others.values())
-        got = recovery.Restored(v, last, sources, nbytes, time.perf_counter() - start)
+        got = recovery.Restored(v, last, mine[1], nbytes, time.perf_counter() - start)
         capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, state)
         del state
         self.restored, self.start_step, self._last, self._replicated = got, v, v, v  # slots past v* go at attach
         if self.cfg.shadow_ddp_step and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             capture.shadow_step_on_first_forward(self.model)
         elapsed = time.perf_counter() - self._t0
-        log.info("rank %d: restored step %d (v*) of job %s from %s: %d steps lost, %.1f MB in %.3fs "
-                 "(%.1f MB/s); %.2fs from entry", self.rank, v, self.job, got.source, got.steps_lost, got.nbytes / 1e6,
-                 got.seconds, got.nbytes / 1e6 / max(got.seconds, 1e-9), elapsed)
+        log.info("rank %d: restored step %d (v*) of job %s from %s%s: %d steps lost, %.1f MB in %.3fs "
+                 "(%.1f MB/s); %.2fs from entry", self.rank, v, self.job, got.source,
+                 f", the parts of ranks {sorted(parts)} from {sorted(set(parts.values()))}" if parts else "",
+                 got.steps_lost, got.nbytes / 1e6, got.seconds, got.nbytes / 1e6 / max(got.seconds, 1e-9), elapsed)
         self._record({"event": "restored", "rank": self.rank, "version": v, "last_version": last,
-                      "steps_lost": got.steps_lost, "source": got.source, "bytes": got.nbytes,
+                      "steps_lost": got.steps_lost, "source": got.source, "parts_from": parts, "bytes": got.nbytes,
                       "restore_seconds": got.seconds, "entry_seconds": elapsed,
                       "attempt": int(self._attempt)})
 
