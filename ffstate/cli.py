@@ -48,7 +48,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
                       idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes,
-                      exit_when_empty=args.exit_when_empty, pid_file=args.pid_file)
+                      exit_when_empty=args.exit_when_empty, pid_file=args.pid_file, scheduler=args.scheduler,
+                      link_share=args.link_share, link_bandwidth=args.link_bandwidth, metrics_port=args.metrics_port)
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
@@ -111,6 +112,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             razor.add_row(key[0], f"{key[1]}/{key[2]}", "?", "-", "-", "-", wire, "-", "-")
     if razor.row_count:
         console.print(razor)
+    links = Table(title="replication links (scheduler)")
+    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides"):
+        links.add_column(col, justify="left" if col in ("daemon", "scheduler", "holder") else "right")
+    for address, inv, *_ in {r[0]: r for r in rows}.values():
+        for link in inv.links:
+            links.add_row(address, link.scheduler, link.holder, f"{link.estimate_bytes_per_second / 1e6:.1f}",
+                          f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.deadline_overrides))
+    if links.row_count:
+        console.print(links)
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
     return 1 if failed else 0
@@ -141,6 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deltas kept per replica, i.e. how far it can step back (default 4)")
     p.add_argument("--max-chunk-bytes", type=parse_bytes, default=32 << 20,
                    help="largest chunk accepted in a push (default 32M)")
+    p.add_argument("--scheduler", choices=("windows", "naive"), default="windows",
+                   help="windows: send into the training's idle network windows (default); naive: at once")
+    p.add_argument("--link-share", type=float, default=0.5, help="share of each link replication may use (0.5)")
+    p.add_argument("--link-bandwidth", type=parse_bytes, default=0, metavar="BYTES_PER_S",
+                   help="the links' bandwidth, e.g. 25M (default: measured from the pushes)")
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default: off)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")

@@ -14,6 +14,7 @@ from typing import Any
 KERNEL_CHOICES = ("auto", "triton", "torch")
 LAG_POLICIES = ("block", "skip")
 RAZOR_CHOICES = ("auto", "off")
+SCHEDULERS = ("windows", "naive")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class Config:
         razor_identical: state path prefixes (comma-separated, e.g. ``model,optim/state``) that the
             user declares identical across all ranks, where ``auto`` cannot infer it (a model not
             wrapped in DDP whose gradients are all-reduced by hand). Verified like the inferred ones.
+        scheduler: how the node's daemon paces replication: ``windows`` sends into the training's
+            idle network windows (marked by a DDP communication hook) under ``link_share`` of the
+            link; ``naive`` sends as soon as a version is captured.
+        link_share: share of each link's estimated bandwidth replication may use.
+        link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
+            known; "" measures it from the first push and follows it.
+        metrics_port: Prometheus metrics of node n's started daemon on ``metrics_port + n``; 0: off.
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.
@@ -84,6 +92,10 @@ class Config:
     razor: str = "auto"
     razor_identical: str = ""
     razor_verify_every: int = 100
+    scheduler: str = "windows"
+    link_share: float = 0.5
+    link_bandwidth: str = ""
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
@@ -94,6 +106,10 @@ class Config:
             raise ValueError(f"lag_policy must be one of {LAG_POLICIES}, got {self.lag_policy!r}")
         if self.razor not in RAZOR_CHOICES:
             raise ValueError(f"razor must be one of {RAZOR_CHOICES}, got {self.razor!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if not 0 < self.link_share <= 1:
+            raise ValueError(f"link_share must be in (0, 1], got {self.link_share}")
         if self.razor_verify_every < 1:
             raise ValueError(f"razor_verify_every must be >= 1, got {self.razor_verify_every}")
         if self.replicas < 0 or self.max_lag < 1 or self.simulated_nodes < 0:

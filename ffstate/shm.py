@@ -26,6 +26,7 @@ import mmap
 import os
 import re
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,10 @@ TAKEN_OFFSET = 128
 CHECKED_OFFSET = 136
 # Written by the worker only: the razor's verification counters (verifications, mismatches), for the daemon.
 RAZOR_OFFSET = 160
+# Written by the worker only (slot 0's header): its collectives on the wire now, then a ring of the last
+# COMM_RING (start, end) times (ns) of its collectives and the ring's write count; see CommMarks.
+COMM_OFFSET = 176
+COMM_RING = 48
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -111,6 +116,39 @@ class SlotView:
     checksum: int | None  # as recorded by the daemon; None until it has taken the slot
     scalars: list
     data: torch.Tensor  # uint8 view of the slot's bytes, no copy
+
+
+class CommMarks:
+    """Worker side: marks when the training's collectives are on the wire, in the slot header, for the
+    daemon's scheduler (DESIGN.md section 4, step 3). Cheap: a few stores per gradient bucket."""
+
+    def __init__(self) -> None:
+        self._mm: mmap.mmap | None = None
+        self._inflight = 0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def attach(self, slots: "Slots | None") -> None:
+        with self._lock:
+            self._mm = slots._maps[0] if slots is not None and slots._maps else None
+            if self._mm is not None:
+                self._count = struct.unpack_from("<qQ", self._mm, COMM_OFFSET)[1]
+
+    def start(self) -> int:
+        with self._lock:
+            self._inflight += 1
+            if self._mm is not None:
+                struct.pack_into("<q", self._mm, COMM_OFFSET, self._inflight)
+        return time.time_ns()
+
+    def end(self, started: int) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._mm is not None:
+                i = self._count % COMM_RING
+                struct.pack_into("<QQ", self._mm, COMM_OFFSET + 16 + 16 * i, started, time.time_ns())
+                self._count += 1
+                struct.pack_into("<qQ", self._mm, COMM_OFFSET, self._inflight, self._count)
 
 
 class Slots:
@@ -183,6 +221,18 @@ class Slots:
         """Worker side: the razor's verification counters, which the daemon reports (``ffstate status``)."""
         for mm in self._maps:
             struct.pack_into("<QQ", mm, RAZOR_OFFSET, verifications, mismatches)
+
+    def comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
+        """Daemon side: (collectives in flight, recent (start, end) times, the two newest commit times), seconds."""
+        if not self._maps:
+            return 0, [], []
+        mm = self._maps[0]
+        inflight, count = struct.unpack_from("<qQ", mm, COMM_OFFSET)
+        n = min(count, COMM_RING)
+        ring = struct.unpack_from(f"<{2 * COMM_RING}Q", mm, COMM_OFFSET + 16)
+        intervals = sorted((ring[2 * i] / 1e9, ring[2 * i + 1] / 1e9) for i in range(n) if ring[2 * i + 1])
+        commits = sorted(self._header(k)[7] / 1e9 for k in range(len(self._maps)) if self._header(k)[7])
+        return max(inflight, 0), intervals, commits
 
     def razor_counters(self) -> tuple[int, int]:
         return struct.unpack_from("<QQ", self._maps[0], RAZOR_OFFSET) if self._maps else (0, 0)

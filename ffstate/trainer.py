@@ -102,6 +102,12 @@ class Replicated:
         self.daemon = self._node_daemon()
         self.holders = self._holder_addresses()
         self.razor_groups = razor.infer(self.model, self.optimizer, rank, world, cfg)
+        self._marks = shm.CommMarks()
+        if cfg.scheduler == "windows" and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            try:  # the scheduler's timeline: when DDP's gradient buckets are on the wire
+                self.model.register_comm_hook((self._marks, self.model.process_group), capture.marked_allreduce)
+            except (RuntimeError, ValueError) as e:
+                log.info("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
         log.info("rank %d: razor: %s", rank, self.razor_groups.reason if self.razor_groups else
                  razor.why_not(world, cfg))
         self._restore()
@@ -137,6 +143,7 @@ class Replicated:
         self._close()
 
     def _close(self) -> None:
+        self._marks.attach(None)
         if self._slots is not None:
             self._slots.close()
         for c in self._clients.values():
@@ -249,6 +256,7 @@ class Replicated:
             self._razor_excluded.update(differ)
             plan = razor.Plan.of(state, self.razor_groups, frozenset(self._razor_excluded))
         if plan != self.razor_plan and self._slots is not None:  # a new layout: new slots, full versions
+            self._marks.attach(None)
             self._slots.close()
             self._slots = None
             self.daemon.drop(self.job, self.rank, self.world)
@@ -328,6 +336,7 @@ class Replicated:
                                   razor=self._razor_info(manifest))
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
+        self._marks.attach(self._slots)
         self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
@@ -373,6 +382,11 @@ class Replicated:
                 "--pid-file", str(self._run_dir / f"daemon-{node_id}.pid"), "--keep-deltas", str(self.cfg.max_lag)]
         if self.cfg.daemon_memory_limit:
             args += ["--memory-limit", self.cfg.daemon_memory_limit]
+        args += ["--scheduler", self.cfg.scheduler, "--link-share", str(self.cfg.link_share)]
+        if self.cfg.link_bandwidth:
+            args += ["--link-bandwidth", self.cfg.link_bandwidth]
+        if self.cfg.metrics_port:
+            args += ["--metrics-port", str(self.cfg.metrics_port + self.topology.node)]
         with open(log_path, "a") as out:
             # A session of its own: the daemon outlives this worker and torchrun's restarts of it.
             subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
@@ -448,6 +462,7 @@ class Replicated:
         """
         log.error("rank %d: the node's daemon is gone (%s); restarting it and re-attaching", self.rank, error)
         if self._slots is not None:
+            self._marks.attach(None)
             self._slots.close()
             self._slots = None
         self.daemon = self._node_daemon(publish=False)

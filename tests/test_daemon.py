@@ -209,3 +209,27 @@ def test_daemon_checksums_each_commit_and_a_corrupted_slot_is_refused(daemons):
                 slots.read(2, lambda view: view.data.clone())
         finally:
             slots.close()
+
+
+def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, tmp_path):
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b = daemons.start()
+    a = daemons.start("--peer", b.address, "--metrics-port", str(port), "--link-share", "0.8")
+    run_writer(a, "j10", 4, tmp_path, "--wait-replicated")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    metric = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("ffstate_") and 'job="j10"' in line or line.startswith("ffstate_link")}
+    sent = next(v for k, v in metric.items() if k.startswith("ffstate_replicated_bytes_total"))
+    assert sent > 1_000_000  # a full version and three deltas of a TinyGPT state
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_replicated_versions_total")) == 4
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_lag_versions")) == 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_link_estimate_bytes_per_second")) > 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_link_share")) == 0.8
+    inv = a.client().inventory("j10")
+    assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
+    assert inv.shards[0].pushed_versions == 4 and inv.shards[0].pushed_bytes == sent

@@ -9,8 +9,8 @@ aligned across ranks, so that after a node is lost some version is common to all
 I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
 copy of the newest version (the base of the next delta) follows by applying the same delta. A
 holder that is down, or answers that it lacks a base, gets a full version at its next turn, after
-a backoff. ``Pacer.before_chunk`` is the seam where the scheduler will pace the sender
-(DESIGN.md section 4, step 3).
+a backoff. The pacer (``ffstate.scheduler``) decides when each chunk goes (DESIGN.md section 4,
+step 3) and learns the link from each push.
 """
 
 from __future__ import annotations
@@ -29,22 +29,22 @@ from ffstate.codec import Packed, Snapshot
 from ffstate.daemon.store import ShardKey
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.layout import Manifest
+from ffstate.scheduler import Naive
 from ffstate.shm import Slots
 
 log = logging.getLogger("ffstate.daemon.replicator")
 
 
 class Pacer(Protocol):
-    """Decides when the next chunk may go out (the scheduler issue fills this in)."""
+    """Decides when the next chunk may go out (``ffstate.scheduler``), and learns from each push."""
 
-    def before_chunk(self, holder: str, nbytes: int) -> None: ...
+    name: str
 
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None: ...
 
-class Unpaced:
-    """Sends as soon as a snapshot is captured."""
+    def after_push(self, holder: str, nbytes: int, seconds: float) -> None: ...
 
-    def before_chunk(self, holder: str, nbytes: int) -> None:
-        return None
+    def links(self) -> dict: ...
 
 
 @dataclass
@@ -81,6 +81,7 @@ class LocalShard:
     last_push: float = 0.0
     pushed_bytes: int = 0  # on the wire, to all holders
     pushed_versions: int = 0  # counted once per holder
+    pushed_raw_bytes: int = 0  # the snapshots those versions restore (for the compression ratio)
     razor: Any = None  # the worker's RazorInfo (protobuf, passed through for the reports)
 
     @property
@@ -100,7 +101,7 @@ class Replicator:
         self.make_client = make_client
         self.keep = keep
         self.peers = list(peers)
-        self.pacer = pacer or Unpaced()
+        self.pacer = pacer or Naive()
         self.poll_interval = poll_interval
         # Per local rank one batch in flight (_batches), and inside it one push per holder (_pool).
         self._batches = ThreadPoolExecutor(16, thread_name_prefix="ffstate-batch")
@@ -228,9 +229,11 @@ class Replicator:
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key
         base_version = holder.acked if packed.kind == "delta" else 0
+        behind = shard.base_version - holder.acked
+        start = time.monotonic()
         try:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
-                                          before_chunk=lambda n: self.pacer.before_chunk(holder.address, n))
+                                          before_chunk=lambda n: self.pacer.before_chunk(holder.address, n, behind))
         except (ReplicaError, FFStateError) as e:
             if not isinstance(e, ReplicaUnavailable):
                 holder.acked = 0  # whatever went wrong, the next push is a full version
@@ -240,7 +243,9 @@ class Replicator:
             return False
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
+        self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start)
         holder.acked, holder.failures = version, 0
+        shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes
         shard.pushed_versions += 1
         log.info("pushed %s version %d to %s: %s, %d bytes (%.2fx)", k, version, holder.address, packed.kind,

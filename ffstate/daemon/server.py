@@ -30,6 +30,7 @@ from ffstate.daemon.replicator import LocalShard, Pacer, Replicator
 from ffstate.daemon.store import IncomingChunk, ShardKey, Store
 from ffstate.errors import CodecError, FFStateError, ReplicaError
 from ffstate.layout import Manifest
+from ffstate.scheduler import Naive, Scheduler
 
 log = logging.getLogger("ffstate.daemon")
 
@@ -56,7 +57,11 @@ class ServeConfig:
     keep_deltas: int = 4  # W: versions a replica can be stepped back
     max_chunk_bytes: int = 32 << 20
     scalars_capacity: int = shm.DEFAULT_SCALARS_CAPACITY
-    pacer: Pacer | None = None
+    scheduler: str = "windows"  # windows: into the training's idle windows; naive: as soon as captured
+    link_share: float = 0.5  # share of each link's estimated bandwidth replication may use
+    link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
+    pacer: Pacer | None = None  # overrides scheduler (tests)
 
 
 def default_memory_limit() -> int:
@@ -106,7 +111,8 @@ class Daemon(pb_grpc.ReplicaServicer):
         # Pushing to TLS peers: verify them with --tls-ca, and present this daemon's own certificate
         # (peers that run mutual TLS ask for one).
         tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
-        self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), cfg.peers, cfg.pacer)
+        self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), cfg.peers,
+                                     cfg.pacer or self._pacer(), keep=cfg.keep_deltas)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()
@@ -115,6 +121,26 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.done = threading.Event()
 
     # ------------------------------------------------------------ helpers
+
+    def _pacer(self) -> Pacer:
+        cfg = self.cfg
+        if cfg.scheduler == "naive":
+            return Naive()
+        if cfg.scheduler != "windows":
+            raise FFStateError(f"scheduler must be windows or naive, got {cfg.scheduler!r}")
+        # Past keep_deltas - 1 versions behind, a sender must not wait for windows: the worker's lag bound is near.
+        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 1))
+
+    def _comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
+        """The training's collectives as this node's workers mark them (for the scheduler)."""
+        inflight, intervals, commits = 0, [], []
+        for shard in list(self.local.values()):
+            n, iv, c = shard.slots.comm_marks()
+            inflight += n
+            intervals += iv
+            if len(c) > len(commits) or (c and commits and c[-1] > commits[-1]):
+                commits = c
+        return inflight, intervals, commits
 
     def _abort(self, context: grpc.ServicerContext, e: Exception) -> None:
         code = e.code if isinstance(e, ReplicaError) else "INVALID_ARGUMENT"
@@ -285,8 +311,12 @@ class Daemon(pb_grpc.ReplicaServicer):
                     shard=pb.ShardKey(job_id=k.job_id, rank=k.rank, world_size=k.world_size), local=False,
                     version=r["version"], versions=r["versions"], bytes=r["bytes"], last_update_unix=r["updated"],
                     source=r["source"]))
+            pacer = self.replicator.pacer
+            links = [pb.LinkInfo(holder=h, estimate_bytes_per_second=link.estimate, share=getattr(pacer, "share", 1.0),
+                                 waited_seconds=link.waited, deadline_overrides=link.overrides,
+                                 scheduler=pacer.name) for h, link in pacer.links().items()]
             return pb.InventoryResponse(node_id=self.cfg.node_id, shards=shards, bytes_used=self.store.used,
-                                        bytes_budget=self.store.budget)
+                                        bytes_budget=self.store.budget, links=links, scheduler=pacer.name)
 
         return self._guard(context, run)
 
@@ -346,6 +376,15 @@ class Daemon(pb_grpc.ReplicaServicer):
         if not self.port:
             raise FFStateError(f"cannot listen on {address} (in use?)")
         self.server.start()
+        if cfg.metrics_port:
+            from ffstate.daemon.metrics import serve_metrics
+
+            try:
+                self.metrics_port = serve_metrics(self, cfg.host, cfg.metrics_port)
+            except OSError as e:
+                raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from e
+        log.info("scheduler: %s, link share %.2f, link bandwidth %s", self.replicator.pacer.name, cfg.link_share,
+                 f"{cfg.link_bandwidth / 1e6:.1f} MB/s" if cfg.link_bandwidth else "measured")
         log.info("ffstate daemon %s serving on %s:%d (%s), budget %d bytes, peers %s", cfg.node_id, cfg.host,
                  self.port, "TLS" if cfg.tls_cert else "plaintext", self.store.budget, cfg.peers or "none")
         return self.port

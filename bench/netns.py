@@ -1,0 +1,84 @@
+"""Real, slow networks on one machine: Linux network namespaces joined by a ``tc``-shaped veth link.
+
+``shaped_link(rate)`` creates two namespaces, ``<prefix>0`` (10.77.<n>.1) and ``<prefix>1``
+(10.77.<n>.2), joined by a veth pair whose two ends are each limited to ``rate`` by a token-bucket
+filter (``tc qdisc ... tbf``), with loopback up in both; and it always removes them, on error too.
+Each namespace plays a node: a process started with ``Link.cmd(i, ...)`` runs inside node i's
+namespace, and traffic between the nodes (gloo's and ffstate's alike) crosses the shaped link.
+Needs root and iproute2 (``ip``, ``tc``); ``unavailable()`` says why not, for a test to skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class Link:
+    """Two namespaces joined by a shaped link."""
+
+    namespaces: tuple[str, str]
+    addresses: tuple[str, str]
+    devices: tuple[str, str]
+    rate: str
+
+    def cmd(self, node: int, args: list[str]) -> list[str]:
+        """``args`` run inside node ``node``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[node], *args]
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
+
+
+def unavailable() -> str:
+    """Why shaped links cannot be made here ("" when they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    name = f"ffprobe{uuid.uuid4().hex[:6]}"
+    try:
+        _run("ip", "netns", "add", name)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"cannot create a network namespace: {getattr(e, 'stderr', '') or e}"
+    _run("ip", "netns", "del", name)
+    return ""
+
+
+@contextlib.contextmanager
+def shaped_link(rate: str = "200mbit", burst: str = "256kb", latency: str = "50ms") -> Iterator[Link]:
+    """Two namespaces joined by a veth pair limited to ``rate`` each way; removed on exit, always."""
+    tag = uuid.uuid4().hex[:6]
+    ns = (f"ff{tag}n0", f"ff{tag}n1")
+    dev = (f"ff{tag}a", f"ff{tag}b")
+    subnet = int(tag, 16) % 250 + 1
+    addr = (f"10.77.{subnet}.1", f"10.77.{subnet}.2")
+    made: list[str] = []
+    try:
+        for n in ns:
+            _run("ip", "netns", "add", n)
+            made.append(n)
+        _run("ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1])
+        for i in range(2):
+            _run("ip", "link", "set", dev[i], "netns", ns[i])
+            inside = ("ip", "netns", "exec", ns[i])
+            _run(*inside, "ip", "addr", "add", f"{addr[i]}/24", "dev", dev[i])
+            _run(*inside, "ip", "link", "set", dev[i], "up")
+            _run(*inside, "ip", "link", "set", "lo", "up")
+            _run(*inside, "tc", "qdisc", "add", "dev", dev[i], "root", "tbf", "rate", rate, "burst", burst,
+                 "latency", latency)
+        yield Link(ns, addr, dev, rate)
+    finally:
+        for n in made:  # deleting a namespace removes its end of the veth pair, and with it the pair
+            for pid in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)

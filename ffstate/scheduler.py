@@ -1,0 +1,174 @@
+"""The bandwidth-aware scheduler: paces the replicator's chunks into the training's idle network windows.
+
+DESIGN.md section 4, step 3. The replicator asks ``before_chunk`` before each chunk it sends; the
+scheduler lets it go when
+
+- the training has no collective on the wire now (its workers mark each DDP gradient bucket's
+  all-reduce, start and end, in their slot headers: ``shm.CommMarks``), and none is predicted
+  before the chunk would be through (the last step's collectives, at the same offsets from the
+  step's commit, are taken as the next step's), and
+- a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth.
+
+The link estimate per holder starts from ``link_bytes_per_s`` when given, else from the first
+push (sent unpaced: the probe), and follows a running average of real pushes, each timed less the
+time the scheduler held it. When a holder falls ``deadline`` versions behind, the scheduler stops
+waiting for windows (replication must stay within the lag, DESIGN.md I4), takes the bandwidth,
+counts it and logs it. ``Naive`` sends as soon as a version is captured, for comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("ffstate.scheduler")
+
+EWMA = 0.3  # weight of the newest push in the running link estimate
+BURST_SECONDS = 0.05  # the token bucket holds this much of the allowed rate (chunks of 1 MiB at >= 20 MB/s)
+POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
+
+
+@dataclass
+class LinkState:
+    """What the scheduler knows of one holder's link."""
+
+    estimate: float = 0.0  # bytes per second the link moved (0: not measured yet)
+    tokens: float = 0.0
+    refilled: float = field(default_factory=time.monotonic)
+    waited: float = 0.0  # seconds chunks to this holder were held for windows and the rate cap
+    overrides: int = 0  # chunks sent past the windows because replication neared its lag bound
+    sent_bytes: int = 0
+
+
+class Naive:
+    """Sends as soon as a snapshot is captured (the comparison the scheduler is measured against)."""
+
+    name = "naive"
+
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None:
+        return None
+
+    def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
+        return None
+
+    def links(self) -> dict[str, LinkState]:
+        return {}
+
+
+class Scheduler:
+    """Paces chunks into idle windows under a share of each link (see the module docstring).
+
+    Args:
+        busy: returns the training's collectives as (in flight now, recent (start, end) intervals and
+            commit times, both in ``time.time()`` seconds); ``shm.CommMarks`` readers provide it.
+        share: fraction of the link's estimated bandwidth replication may use.
+        link_bytes_per_s: the link's bandwidth when known (0: measured from the pushes).
+        deadline: versions behind at which windows are ignored (the lag bound is near).
+        clock, wall, sleep: monotonic seconds, wall-clock seconds (the marks' clock) and sleeping;
+            replaceable for tests.
+    """
+
+    name = "windows"
+
+    def __init__(self, busy: Callable[[], tuple[int, list[tuple[float, float]], list[float]]], share: float = 0.5,
+                 link_bytes_per_s: float = 0.0, deadline: int = 3, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+        if not 0 < share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.busy, self.share, self.link_bytes_per_s, self.deadline = busy, share, link_bytes_per_s, max(1, deadline)
+        self.clock, self.wall, self.sleep = clock, wall, sleep
+        self._links: dict[str, LinkState] = {}
+        self._lock = threading.Lock()
+        self._pending_wait: dict[str, float] = {}
+
+    def links(self) -> dict[str, LinkState]:
+        with self._lock:
+            return dict(self._links)
+
+    def _link(self, holder: str) -> LinkState:
+        with self._lock:
+            if holder not in self._links:
+                self._links[holder] = LinkState(estimate=self.link_bytes_per_s, refilled=self.clock())
+            return self._links[holder]
+
+    # ------------------------------------------------------------ the pacing
+
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None:
+        link = self._link(holder)
+        if not link.estimate:  # the probe: the first push goes unpaced and is timed
+            return
+        start = self.clock()
+        rate = link.estimate * self.share
+        if behind >= self.deadline:
+            link.overrides += 1
+            if link.overrides == 1 or link.overrides % 100 == 0:
+                log.warning("replication to %s is %d versions behind: sending past the training's windows "
+                            "(%d chunks so far)", holder, behind, link.overrides)
+        else:
+            self._wait_for_window(nbytes / max(link.estimate, 1.0))
+        self._take_tokens(link, nbytes, rate)
+        waited = self.clock() - start
+        link.waited += waited
+        link.sent_bytes += nbytes
+        self._pending_wait[holder] = self._pending_wait.get(holder, 0.0) + waited
+
+    def _wait_for_window(self, seconds: float) -> None:
+        """Returns once nothing of the training is on the wire or predicted to be within ``seconds``."""
+        give_up = self.clock() + 2.0  # a stale or wrong prediction must not stall replication
+        while self.clock() < give_up:
+            inflight, intervals, commits = self.busy()
+            now = self.wall()
+            if inflight:
+                self.sleep(POLL)
+                continue
+            until = predicted_busy_until(now, now + seconds, intervals, commits)
+            if until is None:
+                return
+            self.sleep(min(max(until - now, POLL), 0.05))
+
+    def _take_tokens(self, link: LinkState, nbytes: int, rate: float) -> None:
+        burst = max(rate * BURST_SECONDS, float(nbytes))
+        while True:
+            now = self.clock()
+            link.tokens = min(burst, link.tokens + (now - link.refilled) * rate)
+            link.refilled = now
+            if link.tokens >= nbytes - 1e-3:  # float rounding must not leave it a hair short forever
+                link.tokens -= nbytes
+                return
+            self.sleep(min(max((nbytes - link.tokens) / rate, 1e-4), 0.05))
+
+    def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
+        """A push of ``nbytes`` took ``seconds``: the running link estimate follows, less the time held."""
+        link = self._link(holder)
+        moving = max(seconds - self._pending_wait.pop(holder, 0.0), 1e-6)
+        measured = nbytes / moving
+        if not link.estimate:
+            log.info("link to %s: %.1f MB/s from the first push (%d bytes)", holder, measured / 1e6, nbytes)
+            link.estimate = measured
+        elif not self.link_bytes_per_s:
+            link.estimate = (1 - EWMA) * link.estimate + EWMA * measured
+
+
+def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, float]], commits: list[float]
+                         ) -> float | None:
+    """When the training's predicted communication that overlaps [start, end) ends (None: it does not).
+
+    The last complete step's collectives (the intervals between the two newest commits), at the same
+    offsets after the newest commit, are the prediction for the step in progress.
+    """
+    if len(commits) < 2:
+        return None
+    prev, last = commits[-2], commits[-1]
+    period = last - prev
+    if period <= 0:
+        return None
+    for s, e in intervals:
+        if prev <= s < last:
+            for base in (last, last + period):  # this step, and the next one for a long chunk
+                ps, pe = base + (s - prev), base + (e - prev)
+                if ps < end and pe > start:
+                    return pe
+    return None

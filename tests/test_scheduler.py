@@ -1,0 +1,113 @@
+"""The scheduler's decisions, on a simulated clock (no timing measured here: that is `ffstate bench overhead`),
+and the communication marks a worker writes into its slot header for it."""
+
+import time
+
+import pytest
+
+from ffstate import layout, shm
+from ffstate.scheduler import Naive, Scheduler, predicted_busy_until
+
+
+class FakeClock:
+    """Monotonic and wall clock in one; ``sleep`` advances it and records how long was slept."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+        self.slept = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.slept += seconds
+
+
+def scheduler(busy, clock, **kw) -> Scheduler:
+    return Scheduler(busy, clock=clock, wall=clock, sleep=clock.sleep, **kw)
+
+
+def idle():
+    return 0, [], []
+
+
+def test_prediction_repeats_the_last_steps_collectives_after_the_newest_commit():
+    commits = [10.0, 11.0]  # one step per second
+    intervals = [(10.2, 10.4), (10.7, 10.8), (9.5, 9.6)]  # the last one is from an older step
+    assert predicted_busy_until(11.1, 11.15, intervals, commits) is None  # a gap
+    assert predicted_busy_until(11.1, 11.25, intervals, commits) == pytest.approx(11.4)  # runs into 11.2-11.4
+    assert predicted_busy_until(11.75, 11.76, intervals, commits) == pytest.approx(11.8)
+    assert predicted_busy_until(11.9, 12.25, intervals, commits) == pytest.approx(12.4)  # the step after
+    assert predicted_busy_until(11.1, 11.3, intervals, [11.0]) is None  # one commit: no step length yet
+
+
+def test_token_bucket_holds_replication_to_its_share_of_the_link():
+    clock = FakeClock()
+    s = scheduler(idle, clock, share=0.5, link_bytes_per_s=10e6)  # 5 MB/s for replication
+    for _ in range(50):
+        s.before_chunk("h", 100_000)  # 5 MB in all
+    # The bucket starts empty and holds 0.05 s of the rate: 5 MB at 5 MB/s is a second, less that burst.
+    assert clock.slept == pytest.approx(1.0, abs=0.06)
+    assert s.links()["h"].sent_bytes == 5_000_000
+
+
+def test_chunks_wait_while_the_training_is_on_the_wire_unless_the_lag_bound_is_near():
+    clock = FakeClock()
+    state = {"inflight": 1}
+
+    def busy():
+        if clock.slept > 0.1:  # the all-reduce finishes after 0.1 s
+            state["inflight"] = 0
+        return state["inflight"], [], []
+
+    s = scheduler(busy, clock, share=1.0, link_bytes_per_s=1e9)
+    s.before_chunk("h", 1000)
+    assert 0.1 <= clock.slept < 0.11
+    state["inflight"], clock.slept = 1, 0.0
+    clock.now += 100  # the bucket refills
+    s.before_chunk("h", 1000, behind=3)  # three versions behind: the deadline, no waiting for windows
+    assert clock.slept == 0.0 and s.links()["h"].overrides == 1
+
+
+def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
+    clock = FakeClock()
+    s = scheduler(idle, clock, share=0.5)
+    s.before_chunk("h", 1 << 20)  # nothing known yet: not paced
+    assert clock.slept == 0
+    s.after_push("h", 10_000_000, 1.0)
+    assert s.links()["h"].estimate == pytest.approx(10e6)
+    s.after_push("h", 10_000_000, 0.5)  # faster now: the running estimate moves towards 20 MB/s
+    assert 10e6 < s.links()["h"].estimate < 20e6
+    assert Naive().links() == {} and Naive().before_chunk("h", 1) is None
+
+
+def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    state = {"w": torch.zeros(10)}
+    manifest = layout.describe(state)
+    paths = shm.slot_paths("n0", "jm", 0, 1)
+    shm.create_slots(paths, manifest, 4096)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    try:
+        marks = shm.CommMarks()
+        early = marks.start()  # before attach (no slots yet): counted, not written
+        marks.attach(worker)
+        assert daemon.comm_marks()[0] == 0
+        t = marks.start()
+        assert daemon.comm_marks()[0] == 2  # both on the wire now
+        marks.end(early)
+        marks.end(t)
+        worker.commit(state, 1)
+        worker.commit(state, 2)
+        inflight, intervals, commits = daemon.comm_marks()
+        assert inflight == 0 and len(intervals) == 2 and all(a <= b <= time.time() for a, b in intervals)
+        assert len(commits) == 2 and commits[0] <= commits[1]
+        for _ in range(shm.COMM_RING + 5):  # the ring keeps the newest
+            marks.end(marks.start())
+        assert len(daemon.comm_marks()[1]) == shm.COMM_RING
+    finally:
+        worker.close()
+        daemon.close()
