@@ -106,7 +106,8 @@ def main() -> None:
                                       weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
     extra = {"epoch": 0, "samples_seen": 0}
-    per_node = world // int(os.environ.get("FFSTATE_SIMULATED_NODES", "1") or 1)
+    simulated = int(os.environ.get("FFSTATE_SIMULATED_NODES", "0") or 0)
+    per_node = world // simulated if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
     def kill_me(step: int, phase: str) -> bool:
         return (rank == a.kill_rank and step == a.kill_step and a.kill_phase == phase

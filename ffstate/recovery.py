@@ -92,7 +92,13 @@ def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.A
             continue
         for s in inv.shards:
             r = s.shard.rank
-            if r in got and s.shard.world_size == world and s.versions and not (s.local and lookups.get(r)):
+            if r not in got or s.shard.world_size != world or not s.versions:
+                continue
+            if s.local and lookups.get(r) is not None:  # this node's slots: read directly; older versions via
+                older = [v for v in s.versions if v not in lookups[r].committed_versions]  # its daemon's step-back
+                if older:
+                    got[r].remote[address] = older
+            else:
                 got[r].remote[address] = list(s.versions)
     return got
 

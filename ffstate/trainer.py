@@ -96,7 +96,7 @@ class Replicated:
         self.token = cfg.token or _default_token()
         self.topology = placement.topology(rank, world, cfg)
         self._attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"ffstate/{self.job}/{self._attempt}"
+        self._prefix = f"ffstate/{self.job}/{self._generation()}"
         self._run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
         self._run_dir.mkdir(exist_ok=True)
         self.daemon = self._node_daemon()
@@ -289,6 +289,10 @@ class Replicated:
         available = recovery.survey_ranks(self.job, needed, self.world, lookups, daemons, self.daemon)
         versions = recovery.restorable(available)
         missing = self._missing(available)
+        if any(a.versions for a in available.values()):
+            log.info("rank %d: copies found (newest versions per shard and source): %s", me,
+                     {r: {"slots": sorted(a.local)[-3:], **{s: sorted(v)[-3:] for s, v in a.remote.items()}}
+                      for r, a in available.items()})
         if self._store is None:
             v, last = (max(versions), max(versions)) if versions else (0, 0)
         else:
@@ -340,6 +344,21 @@ class Replicated:
         self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
+
+    def _generation(self) -> str:
+        """A name for this attempt that every rank agrees on: rank 0's random number, broadcast.
+
+        Not torchrun's restart count: in a multi-node job each node's agent counts its own restarts
+        (a node that did not fail restarts its workers without counting), so ranks on different nodes
+        would read and write different keys, or an earlier attempt's.
+        """
+        if self._store is None:
+            return "0"
+        nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            nonce = nonce.cuda()
+        dist.broadcast(nonce, 0)
+        return f"{int(nonce.item()):x}"
 
     def _client(self, address: str) -> Client:
         if address not in self._clients:

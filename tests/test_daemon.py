@@ -233,3 +233,20 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     inv = a.client().inventory("j10")
     assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
     assert inv.shards[0].pushed_versions == 4 and inv.shards[0].pushed_bytes == sent
+
+
+def test_local_copy_steps_back_through_the_deltas_it_keeps(pair, tmp_path):
+    """The node's own copy of a rank reaches back W versions, not just the two slots: after a node loss,
+    its ranks may have to go back to the version the lost node's replicas had (DESIGN.md I3)."""
+    a, b = pair
+    b.kill()  # the holder is gone: A's copy is all there is
+    _, states = run_writer(a, "j11", 7, tmp_path, "--wait-taken")
+    ca = a.client()
+    wait_until(lambda: len(ca.inventory("j11").shards[0].versions) == 5, what="A took version 7")
+    versions = list(ca.inventory("j11").shards[0].versions)
+    assert versions == [7, 6, 5, 4, 3], versions  # slots 7, 6; the daemon's copy and W=4 deltas
+    for v in (7, 5, 3):
+        assert_bitwise_equal(codec.decode(ca.fetch("j11", 0, 2, version=v)), states[v - 1])
+    with pytest.raises(ReplicaError) as e:
+        ca.fetch("j11", 0, 2, version=2)
+    assert e.value.code == "NOT_FOUND" and "deltas kept" in str(e.value)

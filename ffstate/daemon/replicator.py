@@ -73,7 +73,9 @@ class LocalShard:
     reserved: int
     base: Snapshot | None = None  # the daemon's copy of the newest version read from the slots
     base_version: int = 0
-    chain: list = field(default_factory=list)  # (version, version before, delta): what holders may still need
+    # (version, version before, delta, scalars before): the last ``keep`` deltas, for the holders that lag
+    # and for stepping the local copy back (a node lost while its holders lagged: DESIGN.md I3)
+    chain: list = field(default_factory=list)
     wake: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
     stop: threading.Event = field(default_factory=threading.Event)
@@ -91,6 +93,33 @@ class LocalShard:
     @property
     def paths(self) -> list[Path]:
         return self.slots.paths
+
+    def versions_back(self) -> list[int]:
+        """The versions the daemon's copy can be stepped back to through the chain (newest first)."""
+        base, chain = self.base, list(self.chain)
+        if base is None:
+            return []
+        out, expected = [self.base_version], self.base_version
+        for version, before, _, _ in reversed(chain):
+            if version != expected:
+                break
+            out.append(before)
+            expected = before
+        return out
+
+    def stepped_back(self, version: int) -> Snapshot | None:
+        """A copy of the local rank's state at ``version``, reverted through the chain; None if out of reach.
+        Call under ``lock``."""
+        if version not in self.versions_back():
+            return None
+        snap = Snapshot(self.base.manifest, self.base.buffer.clone(), self.base.checksum)
+        for v, before, packed, scalars in reversed(self.chain):
+            if v == version or snap is None:
+                break
+            snap = codec.revert_snapshot(packed, snap, scalars)
+            if before == version:
+                break
+        return snap
 
 
 class Replicator:
@@ -159,19 +188,18 @@ class Replicator:
     def _batch(self, shard: LocalShard) -> list[tuple[Holder, list[tuple[int, Packed]]]]:
         """What each due holder needs next: the deltas it lacks, or a full version. Under shard.lock."""
         now = time.monotonic()
-        lowest = min((h.acked for h in shard.holders), default=0)
-        shard.chain = [c for c in shard.chain if c[0] > lowest][-self.keep:]
+        shard.chain = shard.chain[-self.keep:]
         due = [h for h in shard.holders if h.acked < shard.base_version and h.next_try <= now]
         if not due or shard.base is None:
             return []
         batch, full = [], None
         for h in due:
-            start = next((i for i, (_, before, _) in enumerate(shard.chain) if before == h.acked), None)
+            start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
             if start is None:
                 full = full or codec.encode_snapshot(shard.base)  # the base changes in place: encode it here
                 batch.append((h, [(shard.base_version, full)]))
             else:
-                batch.append((h, [(v, packed) for v, _, packed in shard.chain[start:]]))
+                batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
 
     def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]]]]) -> None:
@@ -215,8 +243,9 @@ class Replicator:
             if packed is None:
                 shard.base = codec.Snapshot(shard.manifest.with_scalars(view.scalars), buf, checksum)
             else:  # the daemon's copy follows by the same delta; verified against the slot's checksum
+                before = shard.base.manifest.scalars
                 shard.base = codec.decode_snapshot(packed, shard.base, inplace=True)
-                shard.chain.append((version, shard.base_version, packed))
+                shard.chain.append((version, shard.base_version, packed, before))
         except CodecError as e:  # cannot happen unless memory is corrupted: start over from a full version
             log.error("%s: reading version %d failed (%s); the next push is a full version", shard.key, version, e)
             shard.base, shard.base_version, shard.chain = None, 0, []

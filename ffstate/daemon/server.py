@@ -277,9 +277,14 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
         try:
             got = shard.slots.copy_latest(version)
+            if got is None and version:  # older than the slots: step the daemon's copy back (DESIGN.md I3)
+                with shard.lock:
+                    snap = shard.stepped_back(version)
+                got = (version, snap) if snap is not None else None
             if got is None:
                 raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
-                                   f"{[v for v, _ in shard.slots.committed()]})", "NOT_FOUND")
+                                   f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
+                                   f"({shard.versions_back()})", "NOT_FOUND")
             return got[0], codec.encode_snapshot(got[1]), 2 * nbytes
         except BaseException:
             self.store.release(2 * nbytes)
@@ -299,9 +304,11 @@ class Daemon(pb_grpc.ReplicaServicer):
                     razor = pb.RazorInfo()
                     razor.CopyFrom(s.razor)
                     razor.verifications, razor.mismatches = s.slots.razor_counters()
+                back = s.versions_back()  # no lock: advisory, and a round may hold it for a while
                 shards.append(pb.ShardInfo(
                     shard=pb.ShardKey(job_id=key.job_id, rank=key.rank, world_size=key.world_size), local=True,
-                    version=done[0][0] if done else 0, versions=[v for v, _ in done], bytes=s.reserved,
+                    version=done[0][0] if done else 0, bytes=s.reserved,
+                    versions=sorted({v for v, _ in done} | set(back), reverse=True),
                     last_update_unix=s.last_push, source=str(s.paths[0].parent),
                     replicated_version=s.replicated_version, razor=razor, pushed_bytes=s.pushed_bytes,
                     pushed_versions=s.pushed_versions))

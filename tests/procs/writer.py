@@ -32,6 +32,8 @@ def main() -> None:
     p.add_argument("--die-mid-write", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wait-replicated", action="store_true", help="after each commit, wait until every holder has it")
+    p.add_argument("--wait-taken", action="store_true",
+                   help="before overwriting a slot, wait until the daemon has read it (the block policy)")
     p.add_argument("--dump", help="torch.save the states here first (the test's expected values)")
     a = p.parse_args()
     states = list(train_states(a.steps, seed=a.seed))
@@ -54,7 +56,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             codec.pack_into = torn
-        slots.commit(states[version - 1], version)
+        slots.commit(states[version - 1], version, wait=5.0 if a.wait_taken else 0.0)
         client.notify_commit(a.job, a.rank, a.world, version)
         print(f"committed {version}", flush=True)
         deadline = time.monotonic() + 60

@@ -1,0 +1,73 @@
+"""Two real nodes on one machine: network namespaces joined by a veth link shaped to 200 Mbit/s with tc.
+
+Each namespace runs its own torchrun agent (multi-node c10d rendezvous across the link) with 2 ranks
+and its own ffstate daemon on its own address; gloo's all-reduces and ffstate's replication cross
+the same shaped link. A whole node (its ranks and its daemon) is SIGKILLed; torchrun restarts both
+nodes' workers and node 1's ranks come back from node 0 over the link, bit for bit.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ffstate import Config
+from ffstate.bench import netns
+from ffstate.demo import compare
+
+REASON = netns.unavailable()
+pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(bool(REASON), reason=f"no shaped links here: {REASON}")]
+STEPS = 10
+
+
+def torchrun_on_link(link: netns.Link, out: Path, tmp: Path, job: str, *extra: str) -> list[subprocess.CompletedProcess]:
+    """The demo worker as a 2-node job, one torchrun agent per namespace; returns both agents' results."""
+    port = random.randint(20000, 60000)
+    token = uuid.uuid4().hex
+    procs = []
+    for node in range(2):
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": token,
+               "FFSTATE_BASE_PORT": str(port + 10), "FFSTATE_DAEMON_HOST": link.addresses[node],
+               "GLOO_SOCKET_IFNAME": link.devices[node], "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+        env.pop("FFSTATE_SIMULATED_NODES", None)
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}",
+                "--rdzv-id", job, "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", link.addresses[node],
+                "--max-restarts", "3", "-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(STEPS), *extra]
+        procs.append(subprocess.Popen(link.cmd(node, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    results = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=500)
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
+    return results
+
+
+def test_node_lost_across_a_200mbit_link_resumes_bit_exact(tmp_path):
+    ref = tmp_path / "ref"
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
+                           "ffstate.demo_worker", "--out", str(ref), "--steps", str(STEPS), "--parallel", "ddp",
+                           "--no-ffstate"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = f"l{uuid.uuid4().hex[:6]}"
+    with netns.shaped_link("200mbit") as link:
+        results = torchrun_on_link(link, tmp_path / "out", tmp_path, job, "--parallel", "ddp", "--kill-node", "1",
+                                   "--kill-node-step", "5")
+    for r in results:
+        assert r.returncode == 0, r.stdout[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()]
+    restored = [e for e in rows if e["event"] == "restored"]
+    assert len(restored) == 4 and len({e["version"] for e in restored}) == 1
+    assert all(e["steps_lost"] <= Config().max_lag for e in restored)  # within the replication lag
+    lost = [e for e in restored if e["rank"] in (2, 3)]  # node 1's ranks: over the link, from node 0's daemon
+    assert len(lost) == 2 and all(link.addresses[0] in e["source"] for e in lost)
+    assert not any(link.addresses[1] in e["source"] + json.dumps(e["parts_from"]) for e in restored)  # node 1 is new
+    assert compare(tmp_path / "out", ref, 4) == []
+    finished = [e for e in rows if e["event"] == "finished"]
+    assert len(finished) == 4 and all(e["razor_group"] == [0, 1, 2, 3] for e in finished)
