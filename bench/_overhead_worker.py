@@ -1,10 +1,12 @@
 """The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn.
 
     torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero
-        [--modes off,razor-off,razor-on] [--steps 10] [--repeats 3] [--size small|medium|large]
+        [--modes off,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large]
 
-Modes: ``off`` (no ffstate), ``razor-off`` (ffstate replicating every rank's whole state) and
-``razor-on`` (each byte once per data-parallel group). Each phase is a fresh ffstate job on the same
+Modes (``MODES``): ``off`` (no ffstate); ``naive`` (razor on, sent as soon as captured);
+``scheduler`` (razor on, paced into the training's idle windows); ``razor-off`` (the scheduler, every
+rank's whole state replicated). The daemons of each scheduler policy listen on the base port that
+``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``). Each phase is a fresh ffstate job on the same
 model, so its first commit sends a full version; step times are taken from the third step on, and
 the bytes on the wire per step are the daemon's counters between the second and the last commit
 (deltas only). Every rank writes ``DIR/overhead-rank<R>.json``.
@@ -28,13 +30,15 @@ from ffstate.bench.codec import SIZES
 from ffstate.models import TinyGPT
 
 FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
+MODES = {"naive": ("auto", "naive"), "scheduler": ("auto", "windows"), "razor-off": ("off", "windows"),
+         "razor-on": ("auto", "windows")}  # mode: (Config.razor, the daemons' scheduler)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--parallel", choices=("ddp", "ddp-zero"), default="ddp")
-    p.add_argument("--modes", default="off,razor-off,razor-on")
+    p.add_argument("--modes", default="off,naive,scheduler,razor-off")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -72,7 +76,9 @@ def main() -> None:
                     if i >= FIRST_TIMED:
                         res["step_seconds"].append(time.perf_counter() - start)
                 continue
-            cfg = ffstate.Config.from_env(razor="auto" if mode == "razor-on" else "off", start_daemon=False,
+            razor, scheduler = MODES[mode]
+            ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
+            cfg = ffstate.Config.from_env(razor=razor, start_daemon=False, base_port=int(ports[scheduler]),
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
             with ffstate.replicate(model, opt, config=cfg) as ff:
                 for i in range(a.steps):

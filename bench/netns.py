@@ -53,6 +53,36 @@ def unavailable() -> str:
     return ""
 
 
+def torchrun_two_nodes(link: Link, worker: list[str], env: dict, nproc: int = 2, timeout: float = 900,
+                      restarts: int = 3) -> list[subprocess.CompletedProcess]:
+    """``worker`` (``-m module args...``) as a 2-node torchrun job, one agent per namespace (c10d rendezvous
+    hosted by node 0); each node's env adds its address as ``FFSTATE_DAEMON_HOST`` and its link device
+    for gloo. Returns both agents' results (stdout and stderr together)."""
+    import random
+    import sys
+
+    port = random.randint(20000, 60000)
+    procs = []
+    for node in range(2):
+        node_env = {**env, "FFSTATE_DAEMON_HOST": link.addresses[node], "GLOO_SOCKET_IFNAME": link.devices[node]}
+        node_env.pop("FFSTATE_SIMULATED_NODES", None)
+        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"{link.addresses[0]}:{port}", "--rdzv-id", f"ff{port}", "--rdzv-conf", f"is_host={int(node == 0)}",
+                "--local-addr", link.addresses[node], "--max-restarts", str(restarts), *worker]
+        procs.append(subprocess.Popen(link.cmd(node, args), env=node_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
+    return results
+
+
 @contextlib.contextmanager
 def shaped_link(rate: str = "200mbit", burst: str = "256kb", latency: str = "50ms") -> Iterator[Link]:
     """Two namespaces joined by a veth pair limited to ``rate`` each way; removed on exit, always."""

@@ -1,20 +1,24 @@
-"""Overhead benchmark: step time and bytes replicated per step, ffstate off and on, razor off and on, in one run.
+"""Overhead benchmark: step time and bytes replicated per step, ffstate off and on, paced and naive, razor on
+and off, in one run, on loopback and on tc-shaped links.
 
-torchrun with 4 CPU ranks as 2 simulated nodes (each with its own ``ffstate serve`` daemon, started
-here) trains TinyGPT under DDP (plain AdamW: model and optimizer state identical across the group)
-and under DDP with a ZeroRedundancyOptimizer (parameters identical, optimizer shards per rank). In
-each job the modes run in interleaved phases (``bench/_overhead_worker.py``):
+torchrun with 4 CPU ranks as 2 nodes trains TinyGPT under DDP (plain AdamW: model and optimizer
+state identical across the group) and under DDP with a ZeroRedundancyOptimizer. On ``loopback``
+the nodes are simulated on one network; on a rate such as ``200mbit`` each node is a network
+namespace with its own torchrun agent and daemons, joined by a veth link shaped with ``tc``, so the
+training's gloo traffic and the replication cross the same slow link. In each job the modes run in
+interleaved phases of the same training (``bench/_overhead_worker.py``):
 
 - ``off``: no ffstate;
-- ``razor-off``: ffstate replicating every rank's whole state to the other node;
-- ``razor-on``: ffstate replicating each byte once per data-parallel group.
+- ``naive``: ffstate, razor on, every version sent as soon as it is captured;
+- ``scheduler``: ffstate, razor on, paced into the training's idle windows under a share of the link;
+- ``razor-off``: the scheduler, every rank replicating its whole state.
 
-Reported per parallelism and mode: the median step time and its ratio to ``off``; the bytes each
-rank replicates per step (on the wire: deltas, after compaction) and the raw size of what it
-replicates (its whole state, or its own entries plus its part). Prints a table; writes
-``bench/results/overhead.json`` and a PNG plot beside it.
+Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``; the
+bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
+it replicates. Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
-Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero] [--razor on,off] [--steps 10] [--repeats 3]``.
+Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero] [--modes off,naive,scheduler,razor-off]
+[--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small]``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ffstate.bench import netns
 from ffstate.bench._report import environment, pyplot, table, write_json
 from ffstate.bench.bandwidth import _free_port
 from ffstate.bench.codec import SIZES
@@ -39,11 +44,9 @@ log = logging.getLogger("ffstate.bench.overhead")
 NODES = 2
 
 
-def _serve(port: int, node: int, token: str, log_path: Path) -> subprocess.Popen:
+def _serve(args: list[str], token: str, log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "ffstate.cli", "serve", "--port", str(port), "--node-id",
-                                 f"node{node}"], stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "FFSTATE_TOKEN": token})
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "FFSTATE_TOKEN": token})
 
 
 def _free_base(n: int) -> int:
@@ -59,24 +62,52 @@ def _free_base(n: int) -> int:
     raise SystemExit("no free ports for the daemons")
 
 
-def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path) -> list[dict]:
-    token, base = secrets.token_hex(8), _free_base(NODES)
-    out = work / parallel
+def _schedulers(modes: list[str]) -> list[str]:
+    from ffstate.bench._overhead_worker import MODES
+
+    return sorted({MODES[m][1] for m in modes if m != "off"})
+
+
+def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
+            link: "netns.Link | None" = None) -> list[dict]:
+    """One torchrun job (4 ranks, 2 nodes) running every mode in interleaved phases; the daemons of each
+    scheduler policy on their own ports. On loopback the nodes are simulated; on a link, each is a namespace."""
+    token = secrets.token_hex(8)
+    tag = f"{parallel}-{link.rate if link else 'loopback'}"
+    out = work / tag
     out.mkdir(parents=True, exist_ok=True)
-    daemons = [_serve(base + n, n, token, work / f"daemon-{parallel}-{n}.log") for n in range(NODES)]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": str(NODES),
-           "FFSTATE_BASE_PORT": str(base), "FFSTATE_TOKEN": token, "FFSTATE_JOB_ID": f"overhead-{parallel}",
+    ports, daemons = {}, []
+    serve = [sys.executable, "-m", "ffstate.cli", "serve"]
+    for scheduler in _schedulers(modes):
+        base = _free_base(NODES)
+        ports[scheduler] = base
+        for n in range(NODES):
+            flags = ["--node-id", f"node{n}", "--scheduler", scheduler, "--memory-limit", "4G"]
+            if link is None:
+                args = [*serve, "--port", str(base + n), *flags]
+            else:
+                args = link.cmd(n, [*serve, "--host", link.addresses[n], "--port", str(base), *flags])
+            daemons.append(_serve(args, token, work / f"daemon-{tag}-{scheduler}-{n}.log"))
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_TOKEN": token,
+           "FFSTATE_JOB_ID": f"overhead-{parallel}", "FFSTATE_BENCH_PORTS": ",".join(f"{k}:{v}" for k, v in ports.items()),
            "OMP_NUM_THREADS": "1", "TMPDIR": str(work)}
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-            "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes", ",".join(modes),
-            "--steps", str(steps), "--repeats", str(repeats), "--size", size]
+    worker = ["-m", "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes",
+              ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size]
     try:
-        log_path = work / f"torchrun-{parallel}.log"
-        with open(log_path, "w") as f:
-            proc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
-        if proc.returncode != 0:
-            tail = "".join(log_path.read_text().splitlines(keepends=True)[-30:])
-            raise SystemExit(f"the {parallel} job failed (exit {proc.returncode}):\n{tail}")
+        if link is None:
+            env["FFSTATE_SIMULATED_NODES"] = str(NODES)
+            with open(work / f"torchrun-{tag}.log", "w") as f:
+                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                       "4", *worker], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+            failed = [proc.returncode] if proc.returncode else []
+            logs = [(work / f"torchrun-{tag}.log").read_text()]
+        else:
+            results = netns.torchrun_two_nodes(link, worker, env, timeout=3600, restarts=0)
+            failed = [r.returncode for r in results if r.returncode]
+            logs = [r.stdout for r in results]
+        if failed:
+            tail = "".join("".join(text.splitlines(keepends=True)[-20:]) for text in logs)
+            raise SystemExit(f"the {tag} job failed (exit {failed}):\n{tail}")
     finally:
         for d in daemons:
             d.terminate()
@@ -102,15 +133,20 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
     return out
 
 
-def run(parallels: list[str], razor: list[str], steps: int, repeats: int, size: str, out_dir: Path) -> dict:
-    modes = ["off"] + [f"razor-{r}" for r in razor]
+def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
+        out_dir: Path) -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
-                         "size": size, "ranks": 4, "nodes": NODES, "replicas": 1}, "jobs": {}}
+                         "size": size, "ranks": 4, "nodes": NODES, "replicas": 1, "links": links}, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
-        for parallel in parallels:
-            ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp))
-            result["jobs"][parallel] = summarize(parallel, ranks, modes)
+        for where in links:
+            for parallel in parallels:
+                if where == "loopback":
+                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp))
+                else:
+                    with netns.shaped_link(where) as link:
+                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link)
+                result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes)
     path = write_json(out_dir, "overhead", result)
     print(report(result))
     print(f"\nwrote {path}")
@@ -123,7 +159,7 @@ def run(parallels: list[str], razor: list[str], steps: int, repeats: int, size: 
 def report(result: dict) -> str:
     rows = []
     for parallel, job in result["jobs"].items():
-        full = job.get("razor-off", {}).get("wire_bytes_per_step_per_rank")
+        full = job.get("razor-off", {}).get("wire_bytes_per_step_per_rank")  # the razor's comparison
         for mode, row in job.items():
             wire = row.get("wire_bytes_per_step_per_rank")
             rows.append([parallel, mode, f"{row['step_seconds'] * 1e3:.0f}",
@@ -135,7 +171,7 @@ def report(result: dict) -> str:
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, k={cfg['replicas']}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
-    return "\n".join([head, "", table(rows, ["parallel", "mode", "step ms", "x off", "wire MB/step/rank",
+    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB"])])
 
 
@@ -165,7 +201,11 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", default="ddp,ddp-zero", help="jobs to run: ddp, ddp-zero (default: both)")
-    p.add_argument("--razor", default="off,on", help="razor settings to compare, beside ffstate off (default: off,on)")
+    p.add_argument("--modes", default="off,naive,scheduler,razor-off",
+                   help="off (no ffstate), naive (razor on, sent at once), scheduler (razor on, paced into idle "
+                        "windows), razor-off (scheduler, whole states); default: all four")
+    p.add_argument("--link", default="loopback",
+                   help="loopback and/or tc rates between 2 network namespaces, e.g. loopback,200mbit (needs root)")
     p.add_argument("--steps", type=int, default=10, help="steps per phase; the first two are not timed (default 10)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved phases per mode (default 3)")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="TinyGPT size (default: small)")
@@ -173,11 +213,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ffstate.bench._overhead_worker import MODES
+
     parallels = [x for x in args.parallel.split(",") if x]
-    razor = [x for x in args.razor.split(",") if x]
-    if not set(parallels) <= {"ddp", "ddp-zero"} or not set(razor) <= {"on", "off"} or args.steps < 4:
-        raise SystemExit("--parallel takes ddp and/or ddp-zero, --razor on and/or off, --steps at least 4")
-    run(parallels, razor, args.steps, args.repeats, args.size, args.out)
+    modes = [x for x in args.modes.split(",") if x]
+    links = [x for x in args.link.split(",") if x]
+    if not set(parallels) <= {"ddp", "ddp-zero"} or not set(modes) <= {"off", *MODES} or args.steps < 4:
+        raise SystemExit(f"--parallel takes ddp and/or ddp-zero, --modes off and/or {sorted(MODES)}, --steps >= 4")
+    if any(x != "loopback" for x in links) and netns.unavailable():
+        raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
+    run(parallels, modes, args.steps, args.repeats, args.size, links, args.out)
     return 0
 
 

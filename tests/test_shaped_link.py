@@ -27,25 +27,10 @@ STEPS = 10
 
 def torchrun_on_link(link: netns.Link, out: Path, tmp: Path, job: str, *extra: str) -> list[subprocess.CompletedProcess]:
     """The demo worker as a 2-node job, one torchrun agent per namespace; returns both agents' results."""
-    port = random.randint(20000, 60000)
-    token = uuid.uuid4().hex
-    procs = []
-    for node in range(2):
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": token,
-               "FFSTATE_BASE_PORT": str(port + 10), "FFSTATE_DAEMON_HOST": link.addresses[node],
-               "GLOO_SOCKET_IFNAME": link.devices[node], "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
-        env.pop("FFSTATE_SIMULATED_NODES", None)
-        args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}",
-                "--rdzv-id", job, "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", link.addresses[node],
-                "--max-restarts", "3", "-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(STEPS), *extra]
-        procs.append(subprocess.Popen(link.cmd(node, args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    results = []
-    for p in procs:
-        stdout, _ = p.communicate(timeout=500)
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout))
-    return results
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex,
+           "FFSTATE_BASE_PORT": str(random.randint(20000, 60000)), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
+    return netns.torchrun_two_nodes(link, ["-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(STEPS),
+                                           *extra], env, timeout=500)
 
 
 def test_node_lost_across_a_200mbit_link_resumes_bit_exact(tmp_path):
