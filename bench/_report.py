@@ -44,6 +44,35 @@ def write_json(out_dir: Path, name: str, payload: dict) -> Path:
     return path
 
 
+def publish(out_dir: Path, name: str, result: dict, report: Callable[[dict], str],
+            plot: Callable[[dict, Path], Path | None]) -> dict:
+    """Writes ``<name>.json``, prints the report's table, draws ``<name>.png``, and says where they went."""
+    path = write_json(out_dir, name, result)
+    print(report(result))
+    print(f"\nwrote {path}")
+    png = plot(result, out_dir / f"{name}.png")
+    if png:
+        print(f"wrote {png}")
+    return result
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive ports that are free now (daemons of simulated nodes take one each)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randint(20000, 60000)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind((host, port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or None (with a warning) when matplotlib is not installed."""
     try:

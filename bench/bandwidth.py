@@ -28,17 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from ffstate import codec
-from ffstate.bench._report import environment, pyplot, table, write_json
+from ffstate.bench._report import environment, free_ports, publish, pyplot, table
 from ffstate.client import Client
 
 log = logging.getLogger("ffstate.bench.bandwidth")
 JOB = "bench-bandwidth"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn, repeats: int) -> list[float]:
@@ -52,7 +46,7 @@ def _timed(fn, repeats: int) -> list[float]:
 
 
 def raw_tcp(nbytes: int, repeats: int) -> list[float]:
-    port = _free_port()
+    port = free_ports(1)
     peer = subprocess.Popen([sys.executable, "-m", "ffstate.bench._peers", "tcp-server", str(port), str(nbytes),
                              str(repeats + 1)], stdout=subprocess.PIPE, text=True)
     try:
@@ -71,7 +65,7 @@ def raw_tcp(nbytes: int, repeats: int) -> list[float]:
 
 
 def gloo(nbytes: int, repeats: int) -> list[float]:
-    port = _free_port()
+    port = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-m", "ffstate.bench._peers", "gloo", str(r), str(port), str(nbytes),
                                str(repeats)], stdout=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
@@ -141,13 +135,7 @@ def run(nbytes: int, chunks: list[int], repeats: int, daemon: str | None, out_di
         result["gloo"] = {"GBps": gbps(gloo_t), "seconds": gloo_t}
         best = max(sweep, key=lambda cs: min(gbps(sweep[cs]["push"]), gbps(sweep[cs]["fetch"])))
         result["best_chunk_bytes"] = best
-    path = write_json(out_dir, "bandwidth", result)
-    print(report(result))
-    print(f"\nwrote {path}")
-    png = plot(result, out_dir / "bandwidth.png")
-    if png:
-        print(f"wrote {png}")
-    return result
+    return publish(out_dir, "bandwidth", result, report, plot)
 
 
 def report(result: dict) -> str:

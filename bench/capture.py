@@ -22,14 +22,13 @@ import argparse
 import logging
 import os
 import secrets
-import socket
 from pathlib import Path
 
 import torch
 
 import ffstate
 from ffstate import capture, recovery
-from ffstate.bench._report import environment, median_seconds, pyplot, table, write_json
+from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
 from ffstate.bench.bandwidth import start_daemon
 from ffstate.bench.codec import SIZES
 from ffstate.client import Client, fetch_striped
@@ -64,12 +63,6 @@ def _tensors(state) -> list[torch.Tensor]:
         for v in state:
             out += _tensors(v)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(size: str, repeats: int, out_dir: Path) -> dict:
@@ -135,13 +128,7 @@ def run(size: str, repeats: int, out_dir: Path) -> dict:
     result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
                         "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"]}
-    path = write_json(out_dir, "capture", result)
-    print(report(result))
-    print(f"\nwrote {path}")
-    png = plot(result, out_dir / "capture.png")
-    if png:
-        print(f"wrote {png}")
-    return result
+    return publish(out_dir, "capture", result, report, plot)
 
 
 def report(result: dict) -> str:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ffstate import codec
-from ffstate.bench._report import environment, median_seconds, pyplot, table, write_json
+from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
 from ffstate.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.codec")
@@ -126,13 +126,7 @@ def run(size: str, steps: int, repeats: int, device: str, lr: float, out_dir: Pa
         "throughput": throughput(prev, cur, repeats, device),
     }
     tag = "cuda" if device.startswith("cuda") else "cpu"
-    path = write_json(out_dir, f"codec-{tag}", result)
-    print(report(result))
-    print(f"\nwrote {path}")
-    png = plot(result, out_dir / f"codec-{tag}.png")
-    if png:
-        print(f"wrote {png}")
-    return result
+    return publish(out_dir, f"codec-{tag}", result, report, plot)
 
 
 def report(result: dict) -> str:

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,7 @@ import tempfile
 from pathlib import Path
 
 from ffstate.bench import netns
-from ffstate.bench._report import environment, pyplot, table, write_json
-from ffstate.bench.bandwidth import _free_port
+from ffstate.bench._report import environment, free_ports, publish, pyplot, table
 from ffstate.bench.codec import SIZES
 
 log = logging.getLogger("ffstate.bench.overhead")
@@ -47,19 +45,6 @@ NODES = 2
 def _serve(args: list[str], token: str, log_path: Path) -> subprocess.Popen:
     with open(log_path, "w") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "FFSTATE_TOKEN": token})
-
-
-def _free_base(n: int) -> int:
-    for _ in range(50):
-        base = _free_port()
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise SystemExit("no free ports for the daemons")
 
 
 def _schedulers(modes: list[str]) -> list[str]:
@@ -79,7 +64,7 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
     ports, daemons = {}, []
     serve = [sys.executable, "-m", "ffstate.cli", "serve"]
     for scheduler in _schedulers(modes):
-        base = _free_base(NODES)
+        base = free_ports(NODES)
         ports[scheduler] = base
         for n in range(NODES):
             flags = ["--node-id", f"node{n}", "--scheduler", scheduler, "--memory-limit", "4G"]
@@ -147,13 +132,7 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
                     with netns.shaped_link(where) as link:
                         ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link)
                 result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes)
-    path = write_json(out_dir, "overhead", result)
-    print(report(result))
-    print(f"\nwrote {path}")
-    png = plot(result, out_dir / "overhead.png")
-    if png:
-        print(f"wrote {png}")
-    return result
+    return publish(out_dir, "overhead", result, report, plot)
 
 
 def report(result: dict) -> str:

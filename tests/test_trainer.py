@@ -4,9 +4,7 @@ bit-identical to the same run without failures."""
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 from ffstate import Config, FFStateError, replicate
+from ffstate.bench._report import free_ports
 from ffstate.demo import compare
 from helpers import assert_bitwise_equal
 
@@ -24,22 +23,9 @@ STEPS = 12
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_base_port(n: int = 2) -> int:
-    for _ in range(100):
-        base = random.randint(20000, 60000)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free ports")
-
-
 def env_for(tmp: Path, job: str) -> dict:
     return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",
-            "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_base_port()),
+            "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(2)),
             "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
 
 
@@ -129,7 +115,7 @@ def test_daemon_killed_while_training_goes_on_then_a_rank_dies(reference, tmp_pa
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
     env = {**os.environ, "FFSTATE_JOB_ID": f"s{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
-           "FFSTATE_BASE_PORT": str(free_base_port(1)), "TMPDIR": str(tmp_path)}
+           "FFSTATE_BASE_PORT": str(free_ports(1)), "TMPDIR": str(tmp_path)}
     script = str(ROOT / "tests" / "procs" / "single.py")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
