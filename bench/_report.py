@@ -13,9 +13,12 @@ from typing import Callable
 import torch
 
 
-def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None
-                   ) -> dict[str, float]:
-    """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike)."""
+def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None,
+                   self_timed: bool = False) -> dict[str, float]:
+    """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike).
+
+    With ``self_timed`` each function returns the seconds to count itself (the part of it that matters).
+    """
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm-up: first-touch allocation, kernel compilation
         fn()
@@ -23,9 +26,9 @@ def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Cal
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
-            fn()
+            got = fn()
             sync()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(got if self_timed else time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ffstate.bench import bandwidth as bandwidth_bench
     from ffstate.bench import capture as capture_bench
     from ffstate.bench import overhead as overhead_bench
+    from ffstate.bench import recovery as recovery_bench
     from ffstate.bench import codec as codec_bench
 
     p = which.add_parser("codec", help="codec throughput vs plain copy, compression vs zlib-1, on AdamW state")
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("overhead", help="step time and bytes replicated per step: ffstate off, on, razor off/on")
     overhead_bench.add_arguments(p)
     p.set_defaults(run=overhead_bench.main)
+    p = which.add_parser("recovery", help="ffstate vs torch.save and DCP: equal protection, equal overhead")
+    recovery_bench.add_arguments(p)
+    p.set_defaults(run=recovery_bench.main)
     return parser
 
 

@@ -13,6 +13,7 @@ import pytest
     (["codec", "--size", "small", "--steps", "2", "--repeats", "1"], "codec-cpu"),
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
+    (["recovery", "--sizes", "small", "--repeats", "1"], "recovery"),
     (["overhead", "--parallel", "ddp", "--modes", "off,naive,scheduler", "--steps", "4", "--repeats", "1"], "overhead"),
 ])
 def test_benchmark_writes_its_results(tmp_path, args, name):
