@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ffstate.bench import capture as capture_bench
     from ffstate.bench import overhead as overhead_bench
     from ffstate.bench import recovery as recovery_bench
+    from ffstate.bench import simulate as simulate_bench
     from ffstate.bench import codec as codec_bench
 
     p = which.add_parser("codec", help="codec throughput vs plain copy, compression vs zlib-1, on AdamW state")
@@ -196,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("recovery", help="ffstate vs torch.save and DCP: equal protection, equal overhead")
     recovery_bench.add_arguments(p)
     p.set_defaults(run=recovery_bench.main)
+    p = which.add_parser("simulate", help="scale by simulation: replication in the idle link time of 7B and 70B jobs")
+    simulate_bench.add_arguments(p)
+    p.set_defaults(run=simulate_bench.main)
     return parser
 
 

@@ -23,3 +23,19 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["benchmark"] == name.split("-")[0]
     assert (tmp_path / f"{name}.png").exists()
+
+
+def test_simulation_answers_the_way_the_model_says():
+    """The scale model (bench/simulate.py): a faster link never costs more; the razor divides the bytes by DP;
+    a step whose link is busy with the training's own all-reduce has less room for replication."""
+    from ffstate.bench.simulate import JOBS, Job, simulate
+
+    for job in JOBS:
+        rows = [simulate(job, g) for g in (100, 200, 400)]
+        assert all(a["replication_seconds"] > b["replication_seconds"] and a["overhead"] >= b["overhead"]
+                   for a, b in zip(rows, rows[1:]))
+        on, off = simulate(job, 200, razor=True), simulate(job, 200, razor=False)
+        assert off["replicated_bytes_per_node"] == job.dp * on["replicated_bytes_per_node"]
+        assert simulate(job, 200, k=2)["replicated_bytes_per_node"] == 2 * on["replicated_bytes_per_node"]
+    slow = Job("tiny step", 7e9, 64, tp=1, tokens_per_step=1e4)  # almost no compute: the link is never idle
+    assert simulate(slow, 100)["idle_fraction"] == 0 and simulate(slow, 100)["overhead"] > 0
