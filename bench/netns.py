@@ -107,6 +107,7 @@ def shaped_link(rate: str = "200mbit", burst: str = "256kb", latency: str = "50m
                  "latency", latency)
         yield Link(ns, addr, dev, rate)
     finally:
+        subprocess.run(["ip", "link", "del", dev[0]], capture_output=True)  # if it never left the root namespace
         for n in made:  # deleting a namespace removes its end of the veth pair, and with it the pair
             for pid in subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split():
                 with contextlib.suppress(ProcessLookupError, ValueError):

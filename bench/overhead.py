@@ -96,7 +96,11 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
     finally:
         for d in daemons:
             d.terminate()
-            d.wait(30)
+        for d in daemons:
+            try:
+                d.wait(30)
+            except subprocess.TimeoutExpired:
+                d.kill()
     return [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(4)]
 
 

@@ -15,8 +15,8 @@ back to per-rank replication.
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +25,6 @@ import torch
 from ffstate import codec, layout
 from ffstate.config import Config
 from ffstate.errors import FFStateError
-
-log = logging.getLogger("ffstate.razor")
 
 PLACEHOLDER = "ffstate.razor"  # the key of the dict that stands where a redundant entry was
 
@@ -40,7 +38,7 @@ class Groups:
     reason: str
 
 
-def infer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int, cfg: Config) -> Groups | None:
+def infer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int, cfg: Config) -> Groups | None:
     """The redundancy of a job's state, from what it is wrapped in (None: every byte is the rank's own).
 
     DDP: the model's state across the DDP process group, and the optimizer state too unless the
@@ -100,6 +98,7 @@ class Plan:
         return Plan(groups.ranks, tuple(p for p, _ in chosen), tuple(layout.DTYPE_NAMES[t.dtype] for _, t in chosen),
                     tuple(tuple(t.shape) for _, t in chosen))
 
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (plans are few and live as long as the job)
     def to_json(self) -> str:
         return json.dumps([list(self.group), list(self.paths), list(self.dtypes), [list(s) for s in self.shapes]],
                           separators=(",", ":"))
@@ -119,6 +118,7 @@ class Plan:
     def total_bytes(self) -> int:
         return sum(self.nbytes(i) for i in range(len(self.paths)))
 
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (called at every commit; plans are few)
     def parts(self) -> list[list[tuple[int, int, int]]]:
         """Per group member, its part: (entry, first element, end element) pieces, in state order.
 
@@ -152,9 +152,8 @@ def split(state: Any, plan: Plan, rank: int) -> dict:
     if len(found) != len(plan.paths):
         missing = [p for i, p in enumerate(plan.paths) if i not in found][:3]
         raise FFStateError(f"the state no longer has the redundant entries it was planned with (e.g. {missing})")
-    member = plan.group.index(rank)
-    part = [found[i].reshape(-1)[s:e] for i, s, e in plan.parts()[member]]
-    return {"own": own, "razor": {"plan": plan.to_json(), "member": member, "part": part}}
+    part = [found[i].reshape(-1)[s:e] for i, s, e in plan.parts()[plan.group.index(rank)]]
+    return {"own": own, "razor": {"plan": plan.to_json(), "part": part}}
 
 
 def plan_of(shard: Any) -> Plan | None:

@@ -52,16 +52,6 @@ class Restored:
         return self.last_version - self.version
 
 
-def survey(job: str, rank: int, world: int, local: pb.AttachResponse | None, holders: dict[str, Client],
-           node_daemon: Client | None = None) -> Available:
-    """The versions this rank could restore: its node's slots, then each reachable holder.
-
-    Raises:
-        FFStateError: the job's copies were made with another world size (resharding is not supported).
-    """
-    return survey_ranks(job, [rank], world, {rank: local}, holders, node_daemon)[rank]
-
-
 def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.AttachResponse | None],
                  daemons: dict[str, Client], node_daemon: Client | None = None) -> dict[int, Available]:
     """Where each of ``ranks``' shards can be restored from: this node's slots (``lookups``, per rank on
@@ -109,7 +99,7 @@ def restorable(available: dict[int, Available]) -> set[int]:
     return set.intersection(*sets) if sets else set()
 
 
-def negotiate(store: Any, prefix: str, rank: int, world: int, mine: Available | set[int], timeout: float = 300.0,
+def negotiate(store: Any, prefix: str, rank: int, world: int, mine: set[int], timeout: float = 300.0,
               missing: list[str] | None = None, seen: int = 0) -> tuple[int, int, list[set[int]]]:
     """(v*, newest version any rank has, every rank's versions), the same on every rank.
 
@@ -121,7 +111,7 @@ def negotiate(store: Any, prefix: str, rank: int, world: int, mine: Available | 
         FFStateError: some ranks have versions and others none in common: restoring any version would
             mix steps (never done), and restarting from scratch would silently lose the job's progress.
     """
-    versions = mine.versions if isinstance(mine, Available) else mine
+    versions = mine
     store.set(f"{prefix}/versions/{rank}", json.dumps({"versions": sorted(versions), "missing": missing or [],
                                                        "seen": max([seen, *versions])}))
     store.wait([f"{prefix}/versions/{r}" for r in range(world)], _timedelta(timeout))
@@ -168,6 +158,10 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
         slots = shm.Slots(list(local.slot_paths), manifest)
         try:  # straight from the slot into new tensors: one copy, then the slot's checksum is verified
             got = slots.read(version, lambda view: layout.materialize(manifest.with_scalars(view.scalars), view.data))
+        except shm.SlotError as e:
+            log.error("rank %d: this node's slot of version %d failed its check (%s); trying the holders", rank,
+                      version, e)
+            got = None
         finally:
             slots.close()
         if got is not None:

@@ -9,11 +9,11 @@ scheduler lets it go when
   step's commit, are taken as the next step's), and
 - a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth.
 
-The link estimate per holder starts from ``link_bytes_per_s`` when given, else from the first
-push (sent unpaced: the probe), and follows a running average of real pushes, each timed less the
+The link estimate per holder is ``link_bytes_per_s`` when given; else it starts from the first
+push (sent unpaced: the probe) and follows a running average of real pushes, each timed less the
 time the scheduler held it. When a holder falls ``deadline`` versions behind, the scheduler stops
-waiting for windows (replication must stay within the lag, DESIGN.md I4), takes the bandwidth,
-counts it and logs it. ``Naive`` sends as soon as a version is captured, for comparison.
+waiting for windows (replication must stay within the lag, DESIGN.md I4), keeping only the rate
+cap, and counts and logs it. ``Naive`` sends as soon as a version is captured, for comparison.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ class Naive:
 
     name = "naive"
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None:
-        return None
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
+        return 0.0
 
     def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
         return None
@@ -82,7 +82,6 @@ class Scheduler:
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self._links: dict[str, LinkState] = {}
         self._lock = threading.Lock()
-        self._pending_wait: dict[str, float] = {}
 
     def links(self) -> dict[str, LinkState]:
         with self._lock:
@@ -96,10 +95,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ the pacing
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None:
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
+        """Returns once the chunk may go; returns the seconds it was held."""
         link = self._link(holder)
         if not link.estimate:  # the probe: the first push goes unpaced and is timed
-            return
+            return 0.0
         start = self.clock()
         rate = link.estimate * self.share
         if behind >= self.deadline:
@@ -111,9 +111,10 @@ class Scheduler:
             self._wait_for_window(nbytes / max(link.estimate, 1.0))
         self._take_tokens(link, nbytes, rate)
         waited = self.clock() - start
-        link.waited += waited
-        link.sent_bytes += nbytes
-        self._pending_wait[holder] = self._pending_wait.get(holder, 0.0) + waited
+        with self._lock:
+            link.waited += waited
+            link.sent_bytes += nbytes
+        return waited
 
     def _wait_for_window(self, seconds: float) -> None:
         """Returns once nothing of the training is on the wire or predicted to be within ``seconds``."""
@@ -132,19 +133,20 @@ class Scheduler:
     def _take_tokens(self, link: LinkState, nbytes: int, rate: float) -> None:
         burst = max(rate * BURST_SECONDS, float(nbytes))
         while True:
-            now = self.clock()
-            link.tokens = min(burst, link.tokens + (now - link.refilled) * rate)
-            link.refilled = now
-            if link.tokens >= nbytes - 1e-3:  # float rounding must not leave it a hair short forever
-                link.tokens -= nbytes
-                return
-            self.sleep(min(max((nbytes - link.tokens) / rate, 1e-4), 0.05))
+            with self._lock:  # ranks of one node push to the same holder from their own threads
+                now = self.clock()
+                link.tokens = min(burst, link.tokens + (now - link.refilled) * rate)
+                link.refilled = now
+                if link.tokens >= nbytes - 1e-3:  # float rounding must not leave it a hair short forever
+                    link.tokens -= nbytes
+                    return
+                short = nbytes - link.tokens
+            self.sleep(min(max(short / rate, 1e-4), 0.05))
 
     def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
-        """A push of ``nbytes`` took ``seconds``: the running link estimate follows, less the time held."""
+        """A push of ``nbytes`` moved in ``seconds`` (the time the scheduler held it already taken out)."""
         link = self._link(holder)
-        moving = max(seconds - self._pending_wait.pop(holder, 0.0), 1e-6)
-        measured = nbytes / moving
+        measured = nbytes / max(seconds, 1e-3)
         if not link.estimate:
             log.info("link to %s: %.1f MB/s from the first push (%d bytes)", holder, measured / 1e6, nbytes)
             link.estimate = measured

@@ -49,8 +49,9 @@ HEADER = struct.Struct("<8sQQQQQQQ32s")
 SEQ_OFFSET = 8
 # Written by the daemon only: the version it has finished reading from this slot (see Slots.commit).
 TAKEN_OFFSET = 128
-# Written by the daemon only: the checksum of the slot's data (at +8, written first) and the version
-# it belongs to (at +0, written last), so a reader never pairs a version with another's checksum.
+# Written by the daemon only: the checksum of the slot's data (at +8, written first) and the sequence
+# number of the write it belongs to (at +0, written last): a rewrite of the slot, even of the same
+# version after a step back, never pairs with an older write's checksum.
 CHECKED_OFFSET = 136
 # Written by the worker only: the razor's verification counters (verifications, mismatches), for the daemon.
 RAZOR_OFFSET = 160
@@ -58,6 +59,7 @@ RAZOR_OFFSET = 160
 # COMM_RING (start, end) times (ns) of its collectives and the ring's write count; see CommMarks.
 COMM_OFFSET = 176
 COMM_RING = 48
+STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
@@ -131,8 +133,9 @@ class CommMarks:
     def attach(self, slots: "Slots | None") -> None:
         with self._lock:
             self._mm = slots._maps[0] if slots is not None and slots._maps else None
-            if self._mm is not None:
+            if self._mm is not None:  # a worker that died mid-collective left its count behind: ours replaces it
                 self._count = struct.unpack_from("<qQ", self._mm, COMM_OFFSET)[1]
+                struct.pack_into("<q", self._mm, COMM_OFFSET, self._inflight)
 
     def start(self) -> int:
         with self._lock:
@@ -232,6 +235,8 @@ class Slots:
         ring = struct.unpack_from(f"<{2 * COMM_RING}Q", mm, COMM_OFFSET + 16)
         intervals = sorted((ring[2 * i] / 1e9, ring[2 * i + 1] / 1e9) for i in range(n) if ring[2 * i + 1])
         commits = sorted(self._header(k)[7] / 1e9 for k in range(len(self._maps)) if self._header(k)[7])
+        if inflight and commits and time.time() - commits[-1] > STALE_MARKS:
+            inflight = 0  # no commit for that long: the worker is gone or stuck, its count means nothing
         return max(inflight, 0), intervals, commits
 
     def razor_counters(self) -> tuple[int, int]:
@@ -241,7 +246,7 @@ class Slots:
         """Daemon side: records the checksum of the slot's data, computed while ``unchanged(view)``."""
         mm = self._maps[view.index]
         struct.pack_into("<Q", mm, CHECKED_OFFSET + 8, checksum)
-        struct.pack_into("<Q", mm, CHECKED_OFFSET, view.version)
+        struct.pack_into("<Q", mm, CHECKED_OFFSET, view.seq)
 
     # ------------------------------------------------------------ worker side
 
@@ -329,15 +334,11 @@ class Slots:
             scalars = json.loads(raw)
         except ValueError:
             return None
-        return SlotView(k, seq, version, checksum if checked == version else None, scalars, self.data[k])
+        return SlotView(k, seq, version, checksum if checked == seq else None, scalars, self.data[k])
 
     def unchanged(self, view: SlotView) -> bool:
         """True while the worker has not started rewriting the slot ``view`` came from."""
         return self._seq(view.index) == view.seq
-
-    def snapshot(self, view: SlotView) -> codec.Snapshot:
-        """The slot's contents as a codec snapshot (no copy; valid while ``unchanged(view)``)."""
-        return codec.Snapshot(self.manifest.with_scalars(view.scalars), view.data, view.checksum)
 
     def read(self, version: int, take: Callable[[SlotView], T]) -> tuple[SlotView, T] | None:
         """``take(view)`` of the committed slot holding ``version`` (0: the newest), verified.

@@ -101,13 +101,8 @@ class Replicated:
         self._run_dir.mkdir(exist_ok=True)
         self.daemon = self._node_daemon()
         self.holders = self._holder_addresses()
-        self.razor_groups = razor.infer(self.model, self.optimizer, rank, world, cfg)
-        self._marks = shm.CommMarks()
-        if cfg.scheduler == "windows" and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            try:  # the scheduler's timeline: when DDP's gradient buckets are on the wire
-                self.model.register_comm_hook((self._marks, self.model.process_group), capture.marked_allreduce)
-            except (RuntimeError, ValueError) as e:
-                log.info("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
+        self.razor_groups = razor.infer(self.model, self.optimizer, world, cfg)
+        self._marks = self._comm_marks(rank)
         log.info("rank %d: razor: %s", rank, self.razor_groups.reason if self.razor_groups else
                  razor.why_not(world, cfg))
         self._restore()
@@ -260,7 +255,8 @@ class Replicated:
             self._slots.close()
             self._slots = None
             self.daemon.drop(self.job, self.rank, self.world)
-        self._state_bytes = layout.describe(state).nbytes
+        self._state_bytes = sum(t.numel() * t.element_size() for _, t in layout.flatten(state)[1]
+                                if isinstance(t, torch.Tensor))
         if self._slots is not None:
             self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
         if plan != self.razor_plan and plan is not None:
@@ -344,6 +340,22 @@ class Replicated:
         self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
+
+    def _comm_marks(self, rank: int) -> shm.CommMarks:
+        """The marks of this model's all-reduces for the scheduler: DDP takes one communication hook per
+        model, ever, so the hook and its marks stay with the model across ``replicate`` contexts."""
+        model = self.model
+        marks = getattr(model, "_ffstate_marks", None)
+        if marks is not None:
+            return marks
+        marks = shm.CommMarks()
+        if self.cfg.scheduler == "windows" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            try:  # the scheduler's timeline: when DDP's gradient buckets are on the wire
+                model.register_comm_hook((marks, model.process_group), capture.marked_allreduce)
+                model._ffstate_marks = marks
+            except (RuntimeError, ValueError) as e:
+                log.warning("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
+        return marks
 
     def _generation(self) -> str:
         """A name for this attempt that every rank agrees on: rank 0's random number, broadcast.

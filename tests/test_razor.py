@@ -82,10 +82,10 @@ def test_declared_identical_entries_and_a_single_process(monkeypatch):
     from ffstate.razor import infer
 
     model, opt = torch.nn.Linear(2, 2), None
-    assert infer(model, opt, 0, 1, Config(razor_identical="model")) is None  # one process: nothing to split
-    g = infer(model, opt, 1, 4, Config(razor_identical="model, optim/state"))
+    assert infer(model, opt, 1, Config(razor_identical="model")) is None  # one process: nothing to split
+    g = infer(model, opt, 4, Config(razor_identical="model, optim/state"))
     assert g.ranks == (0, 1, 2, 3) and g.prefixes == ("model", "optim/state")
-    assert infer(model, opt, 1, 4, Config()) is None  # not DDP, nothing declared: every byte is the rank's own
-    assert infer(model, opt, 1, 4, Config(razor="off", razor_identical="model")) is None
+    assert infer(model, opt, 4, Config()) is None  # not DDP, nothing declared: every byte is the rank's own
+    assert infer(model, opt, 4, Config(razor="off", razor_identical="model")) is None
     with pytest.raises(ValueError, match="razor"):
         Config(razor="sometimes")

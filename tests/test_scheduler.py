@@ -79,7 +79,7 @@ def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
     assert s.links()["h"].estimate == pytest.approx(10e6)
     s.after_push("h", 10_000_000, 0.5)  # faster now: the running estimate moves towards 20 MB/s
     assert 10e6 < s.links()["h"].estimate < 20e6
-    assert Naive().links() == {} and Naive().before_chunk("h", 1) is None
+    assert Naive().links() == {} and Naive().before_chunk("h", 1) == 0.0
 
 
 def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
@@ -93,9 +93,9 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
     worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
     try:
         marks = shm.CommMarks()
-        early = marks.start()  # before attach (no slots yet): counted, not written
+        early = marks.start()  # before attach (no slots yet): counted, written at attach
         marks.attach(worker)
-        assert daemon.comm_marks()[0] == 0
+        assert daemon.comm_marks()[0] == 1
         t = marks.start()
         assert daemon.comm_marks()[0] == 2  # both on the wire now
         marks.end(early)
@@ -108,6 +108,10 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         for _ in range(shm.COMM_RING + 5):  # the ring keeps the newest
             marks.end(marks.start())
         assert len(daemon.comm_marks()[1]) == shm.COMM_RING
+        marks.start()  # a worker dies in the middle of an all-reduce: its count stays in the header...
+        assert daemon.comm_marks()[0] == 1
+        monkeypatch.setattr(shm, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
+        assert daemon.comm_marks()[0] == 0
     finally:
         worker.close()
         daemon.close()

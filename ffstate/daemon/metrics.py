@@ -8,7 +8,7 @@ store's replicas). ``ffstate status`` shows the same figures from ``Inventory``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -48,8 +48,9 @@ class DaemonCollector(Collector):
             labels = [node, key.job_id, str(key.rank)]
             sent.add_metric(labels, s.pushed_bytes)
             versions.add_metric(labels, s.pushed_versions)
-            lag.add_metric(labels, max(0, s.base_version - s.replicated_version))
-            queue.add_metric(labels, len(s.chain))
+            done = s.slots.committed()
+            lag.add_metric(labels, max(0, (done[0][0] if done else 0) - s.replicated_version))
+            queue.add_metric(labels, max(0, s.base_version - s.replicated_version))
             if s.pushed_bytes:
                 ratio.add_metric(labels, s.pushed_raw_bytes / s.pushed_bytes)
             if s.razor is not None:
@@ -88,11 +89,10 @@ class DaemonCollector(Collector):
         yield from (held, version, budget)
 
 
-def serve_metrics(daemon: "Daemon", host: str, port: int) -> int:
-    """Starts the HTTP endpoint (``/metrics``) on its own registry; returns the port it listens on."""
+def serve_metrics(daemon: "Daemon", host: str, port: int) -> Any:
+    """Starts the HTTP endpoint (``/metrics``) on its own registry; returns its server (``shutdown()`` stops it)."""
     registry = CollectorRegistry()
     registry.register(DaemonCollector(daemon))
     server, _ = start_http_server(port, addr=host, registry=registry)
-    bound = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound)
-    return bound
+    log.info("metrics on http://%s:%d/metrics", host, server.server_address[1])
+    return server

@@ -40,7 +40,7 @@ class Pacer(Protocol):
 
     name: str
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> None: ...
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float: ...  # returns seconds held
 
     def after_push(self, holder: str, nbytes: int, seconds: float) -> None: ...
 
@@ -114,7 +114,7 @@ class LocalShard:
             return None
         snap = Snapshot(self.base.manifest, self.base.buffer.clone(), self.base.checksum)
         for v, before, packed, scalars in reversed(self.chain):
-            if v == version or snap is None:
+            if v == version:
                 break
             snap = codec.revert_snapshot(packed, snap, scalars)
             if before == version:
@@ -259,10 +259,15 @@ class Replicator:
         k = shard.key
         base_version = holder.acked if packed.kind == "delta" else 0
         behind = shard.base_version - holder.acked
+        held = [0.0]
+
+        def pace(n: int) -> None:
+            held[0] += self.pacer.before_chunk(holder.address, n, behind)
+
         start = time.monotonic()
         try:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
-                                          before_chunk=lambda n: self.pacer.before_chunk(holder.address, n, behind))
+                                          before_chunk=pace)
         except (ReplicaError, FFStateError) as e:
             if not isinstance(e, ReplicaUnavailable):
                 holder.acked = 0  # whatever went wrong, the next push is a full version
@@ -272,7 +277,7 @@ class Replicator:
             return False
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
-        self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start)
+        self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start - held[0])
         holder.acked, holder.failures = version, 0
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes

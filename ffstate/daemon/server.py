@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import threading
 import time
 from concurrent import futures
@@ -119,6 +120,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.server: grpc.Server | None = None
         self.port = 0
         self.done = threading.Event()
+        self.metrics = None  # the Prometheus HTTP server, with --metrics-port
 
     # ------------------------------------------------------------ helpers
 
@@ -134,8 +136,13 @@ class Daemon(pb_grpc.ReplicaServicer):
     def _comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
         """The training's collectives as this node's workers mark them (for the scheduler)."""
         inflight, intervals, commits = 0, [], []
-        for shard in list(self.local.values()):
-            n, iv, c = shard.slots.comm_marks()
+        with self._lock:
+            shards = list(self.local.values())
+        for shard in shards:
+            try:
+                n, iv, c = shard.slots.comm_marks()
+            except (ValueError, IndexError, struct.error):  # dropped (its mappings closed) while we looked
+                continue
             inflight += n
             intervals += iv
             if len(c) > len(commits) or (c and commits and c[-1] > commits[-1]):
@@ -387,7 +394,7 @@ class Daemon(pb_grpc.ReplicaServicer):
             from ffstate.daemon.metrics import serve_metrics
 
             try:
-                self.metrics_port = serve_metrics(self, cfg.host, cfg.metrics_port)
+                self.metrics = serve_metrics(self, cfg.host, cfg.metrics_port)
             except OSError as e:
                 raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from e
         log.info("scheduler: %s, link share %.2f, link bandwidth %s", self.replicator.pacer.name, cfg.link_share,
@@ -422,6 +429,9 @@ class Daemon(pb_grpc.ReplicaServicer):
     def stop(self, grace: float = 5.0) -> None:
         if self.server is not None:
             self.server.stop(grace).wait(grace + 1)
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
         with self._lock:
             shards = list(self.local.values())
             self.local.clear()
