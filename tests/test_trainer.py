@@ -84,16 +84,19 @@ def test_rank_killed_mid_step_or_mid_commit_resumes_bit_exact_losing_at_most_one
 
 def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
     job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "2", "--kill-step", "3",
-             "--kill-node", "1", "--kill-node-step", "8")
+    env = env_for(tmp_path, job)
+    torchrun(tmp_path / "out", env, "--kill-rank", "2", "--kill-step", "3", "--kill-node", "1", "--kill-node-step", "8")
     events = restores(tmp_path, job)
     first = [e for e in events if e["attempt"] == 1]
     second = [e for e in events if e["attempt"] == 2]
     assert {e["version"] for e in first} == {3}
     assert len({e["version"] for e in second}) == 1  # one consistent version (I3)
     assert all(e["steps_lost"] <= Config().max_lag for e in second)
-    remote = sorted(e["rank"] for e in second if "local slots" not in e["source"])
-    assert remote == [2, 3]  # node 1's ranks came back from node 0's daemon
+    node0 = f"127.0.0.1:{env['FFSTATE_BASE_PORT']}"
+    # Everything came from node 0: its slots, or its daemon (replicas of node 1's ranks; its own ranks stepped
+    # back through the deltas it keeps when v* is older than their slots).
+    assert all(e["source"] in ("local slots of node0", node0) for e in second), second
+    assert {2, 3} <= {e["rank"] for e in second if e["source"] == node0}
     assert compare(tmp_path / "out", reference, 4) == []
     assert not list((tmp_path / f"ffstate-{job}").glob("daemon-*.pid")), "a daemon outlived the job"
     # ZeRO: the parameters are split 4 ways (razor), each rank's optimizer shard is replicated whole.
