@@ -17,6 +17,7 @@ the byte-level description.
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 
@@ -48,8 +49,7 @@ def checksum(data: np.ndarray, mapper=map) -> int:
     length = data.size
     full = length // 8
     words = data[: full * 8].view(np.uint64)
-    step = 1 << 19  # 4 MiB of words per piece
-    total = sum(mapper(lambda s: _mix_sum(words[s : s + step], s), range(0, full, step)))
+    total = sum(mapper(lambda s: _mix_sum(words[s : s + PIECE], s), range(0, full, PIECE)))
     if length % 8:
         tail = np.zeros(8, dtype=np.uint8)
         tail[: length % 8] = data[full * 8 :]
@@ -57,14 +57,27 @@ def checksum(data: np.ndarray, mapper=map) -> int:
     return (total + length * K0) & _M64
 
 
+# Words per piece of the checksum: 1 MiB, so a piece and its scratch stay in L2. (4 MiB pieces ran 3x
+# slower: each piece's temporaries were fresh pages from the OS.)
+PIECE = 1 << 17
+_KEYS = np.arange(PIECE, dtype=np.uint64) * np.uint64(K0)  # j * K0 mod 2**64
+_SCRATCH = threading.local()
+
+
 def _mix_sum(words: np.ndarray, start: int) -> int:
-    if words.size == 0:
+    """The sum of the mixed words ``words`` (at most PIECE of them), the first at word index ``start``."""
+    n = words.size
+    if n == 0:
         return 0
-    x = np.arange(start, start + words.size, dtype=np.uint64)
-    np.multiply(x, np.uint64(K0), out=x)
+    scratch = getattr(_SCRATCH, "x", None)
+    if scratch is None:
+        scratch = _SCRATCH.x = np.empty((2, PIECE), dtype=np.uint64)
+    x, y = scratch[0, :n], scratch[1, :n]
+    np.add(_KEYS[:n], np.uint64(start * K0 & _M64), out=x)  # (start + j) * K0
     np.bitwise_xor(x, words, out=x)
     np.multiply(x, np.uint64(K1), out=x)
-    np.bitwise_xor(x, x >> np.uint64(29), out=x)
+    np.right_shift(x, np.uint64(29), out=y)
+    np.bitwise_xor(x, y, out=x)
     np.multiply(x, np.uint64(K2), out=x)
     return int(np.add.reduce(x, dtype=np.uint64))
 
