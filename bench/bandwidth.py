@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,9 +75,11 @@ def gloo(nbytes: int, repeats: int) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def start_daemon(token: str, memory: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--memory-limit",
-                             str(memory), "--max-chunk-bytes", "64M"], stdout=subprocess.PIPE,
+def start_daemon(token: str, memory: int, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+                 ) -> tuple[subprocess.Popen, str]:
+    """An ``ffstate serve`` on ``host`` (run under ``prefix``, e.g. ``ip netns exec NS``); (process, address)."""
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--host", host,
+                             "--memory-limit", str(memory), "--max-chunk-bytes", "64M"], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "FFSTATE_TOKEN": token})
     line = proc.stdout.readline()
     if "listening on" not in line:

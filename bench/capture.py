@@ -12,8 +12,11 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
 - **remote restore** (the node is new): fetched from the holder over gRPC, decoded and verified,
   into the live model and optimizer, next to the gRPC fetch alone (the transport).
 
-Usage: ``ffstate bench capture [--size medium] [--repeats 9]``. Prints a table; writes
-``bench/results/capture.json`` and a PNG plot beside it.
+With ``--link RATE`` (e.g. ``1gbit``; needs root) the remote holder is another node: it runs in
+a second network namespace behind a ``tc``-shaped veth link, and the transport is that link.
+
+Usage: ``ffstate bench capture [--size medium] [--repeats 9] [--link loopback|RATE]``. Prints a
+table; writes ``bench/results/capture[-RATE].json`` and a PNG plot beside it.
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ import argparse
 import logging
 import os
 import secrets
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 import ffstate
 from ffstate import capture, recovery
+from ffstate.bench import netns
 from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
 from ffstate.bench.bandwidth import start_daemon
 from ffstate.bench.codec import SIZES
@@ -65,7 +71,8 @@ def _tensors(state) -> list[torch.Tensor]:
     return out
 
 
-def run(size: str, repeats: int, out_dir: Path) -> dict:
+def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: str = "") -> dict:
+    """``holder`` is ``NAMESPACE@ADDRESS`` for a holder across a shaped link (``main`` sets it up)."""
     token = secrets.token_hex(8)
     model, opt, sched = _job(size)
     extra = {"epoch": 0, "offset": 0}
@@ -81,7 +88,9 @@ def run(size: str, repeats: int, out_dir: Path) -> dict:
         [t.clone() for t in state_tensors]
 
     node, node_addr = start_daemon(token, memory=8 * nbytes + (256 << 20))
-    holder, holder_addr = start_daemon(token, memory=8 * nbytes + (256 << 20))
+    holder_ns, _, holder_host = holder.partition("@")
+    holder, holder_addr = start_daemon(token, memory=8 * nbytes + (256 << 20), host=holder_host or "127.0.0.1",
+                                       prefix=["ip", "netns", "exec", holder_ns] if holder_ns else [])
     port = int(node_addr.rsplit(":", 1)[1])
     cfg = ffstate.Config(job_id=JOB, token=token, base_port=port, start_daemon=False, simulated_nodes=0)
     old_env = {k: os.environ.pop(k, None) for k in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
@@ -119,7 +128,8 @@ def run(size: str, repeats: int, out_dir: Path) -> dict:
     result = {
         "benchmark": "capture",
         "environment": environment("cpu"),
-        "config": {"size": size, "state_bytes": nbytes, "tensors": len(state_tensors), "repeats": repeats},
+        "config": {"size": size, "state_bytes": nbytes, "tensors": len(state_tensors), "repeats": repeats,
+                   "link": link},
         "seconds": {"commit": commit["ffstate commit"], "warm_copy": commit["warm copy"],
                     "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
                     "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"]},
@@ -128,7 +138,7 @@ def run(size: str, repeats: int, out_dir: Path) -> dict:
     result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
                         "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"]}
-    return publish(out_dir, "capture", result, report, plot)
+    return publish(out_dir, "capture" if link == "loopback" else f"capture-{link}", result, report, plot)
 
 
 def report(result: dict) -> str:
@@ -145,8 +155,9 @@ def report(result: dict) -> str:
          f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed"],
         ["gRPC fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), "the transport"],
     ]
+    where = "on loopback" if cfg.get("link", "loopback") == "loopback" else f"across a {cfg['link']} link"
     head = (f"TinyGPT-{cfg['size']} + AdamW: {cfg['state_bytes'] / 1e6:.1f} MB in {cfg['tensors']} tensors, "
-            f"median of {cfg['repeats']}")
+            f"remote holder {where}, median of {cfg['repeats']}")
     return "\n".join([head, "", table(rows, ["", "ms", "GB/s", "vs"])])
 
 
@@ -171,11 +182,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="medium", help="TinyGPT size (default: medium)")
     p.add_argument("--repeats", type=int, default=9, help="timed repeats; medians are reported (default: 9)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
+    p.add_argument("--link", default="loopback",
+                   help="loopback, or a tc rate (e.g. 1gbit) between this node and the holder's namespace (needs root)")
+    p.add_argument("--holder", default="", help=argparse.SUPPRESS)  # NAMESPACE@ADDRESS, set by the outer run
 
 
 def main(args: argparse.Namespace) -> int:
-    run(args.size, args.repeats, args.out)
-    return 0
+    if args.link == "loopback" or args.holder:
+        run(args.size, args.repeats, args.out, args.link, args.holder)
+        return 0
+    why = netns.unavailable()
+    if why:
+        raise SystemExit(f"--link {args.link}: {why}")
+    with netns.shaped_link(args.link) as link:  # this benchmark again, in node 0's namespace
+        inner = [sys.executable, "-m", "ffstate.bench.capture", "--size", args.size, "--repeats", str(args.repeats),
+                 "--out", str(args.out.resolve()), "--link", args.link,
+                 "--holder", f"{link.namespaces[1]}@{link.addresses[1]}"]
+        return subprocess.run(link.cmd(0, inner), timeout=1800).returncode
 
 
 if __name__ == "__main__":

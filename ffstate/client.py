@@ -194,15 +194,25 @@ class Client:
         self.push(job_id, rank, world_size, version, packed, base_version, before_chunk)
         return self.commit(job_id, rank, world_size, version)
 
-    def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1
-                     ) -> list[tuple[int, Chunk]]:
-        """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon."""
+    def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1,
+                     sink: Callable[[int, Chunk], None] | None = None) -> list[tuple[int, Chunk]]:
+        """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon.
+
+        With ``sink``, each (version, chunk) goes to ``sink`` as it arrives instead (the list is
+        empty); a retried stream may pass some chunks twice.
+        """
         req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
                               chunk_step=step)
 
         def run() -> list[tuple[int, Chunk]]:
-            return [(m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, memoryview(m.payload)))
-                    for m in self._fetch(req, **self._kw(self.timeout * 10))]
+            got = []
+            for m in self._fetch(req, **self._kw(self.timeout * 10)):
+                item = (m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, memoryview(m.payload)))
+                if sink is None:
+                    got.append(item)
+                else:
+                    sink(*item)
+            return got
 
         return self._call(f"fetch of {job_id}/{rank} version {version or 'newest'}", run)
 
@@ -227,30 +237,40 @@ class Client:
 
 
 def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int) -> Packed:
-    """Fetches one version from several holders in parallel, chunk i from holder i mod k.
+    """Fetches one version from several holders in parallel (``stream_striped``), as one Packed."""
+    got: dict[int, Chunk] = {}
+    stream_striped(clients, job_id, rank, world_size, version, lambda c: got.setdefault(c.index, c))
+    return Packed([got[i] for i in sorted(got)])
 
-    Full encodings of one version are deterministic, so the stripes fit together; the checksums
-    (per chunk and of the whole version, at decode) catch anything that does not. A holder that
-    fails has its stripe fetched from the next one. ``version`` must be given (not 0): holders may
-    hold different newest versions.
+
+def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int,
+                   sink: Callable[[Chunk], None]) -> None:
+    """Streams one version from several holders in parallel, chunk i from holder i mod k, into ``sink``.
+
+    ``sink`` gets each chunk as it arrives, from one thread per holder (``codec.Decoder.add``
+    decodes while the rest is on the wire). Full encodings of one version are deterministic, so the
+    stripes fit together; the checksums (per chunk and of the whole version) catch anything that
+    does not. A holder that fails has its stripe fetched again from the next one, so ``sink`` may
+    see a chunk twice. ``version`` must be given (not 0): holders may hold different newest versions.
     """
     if version <= 0:
-        raise ValueError("fetch_striped needs an explicit version: holders may differ in their newest")
+        raise ValueError("fetching from several holders needs an explicit version: their newest may differ")
     k = len(clients)
-    if k == 1:
-        return clients[0].fetch(job_id, rank, world_size, version)
 
-    def stripe(i: int) -> list[tuple[int, Chunk]]:
+    def stripe(i: int) -> None:
         last: Exception | None = None
         for j in range(k):
             try:
-                return clients[(i + j) % k].fetch_chunks(job_id, rank, world_size, version, first=i, step=k)
+                clients[(i + j) % k].fetch_chunks(job_id, rank, world_size, version, first=i, step=k,
+                                                  sink=lambda _, c: sink(c))
+                return
             except ReplicaError as e:
                 last = e
                 log.warning("stripe %d of %s/%d version %d: %s; trying the next holder", i, job_id, rank, version, e)
         raise ReplicaUnavailable(f"no holder could serve stripe {i} of {job_id}/{rank} version {version}: {last}")
 
+    if k == 1:
+        stripe(0)
+        return
     with ThreadPoolExecutor(k) as pool:
-        stripes = list(pool.map(stripe, range(k)))
-    chunks = sorted((c for s in stripes for _, c in s), key=lambda c: c.index)
-    return Packed(chunks)
+        list(pool.map(stripe, range(k)))

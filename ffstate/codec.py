@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -37,18 +38,24 @@ MAX_HEADER_BYTES = 256 << 20
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
+        return _POOL
 
 
 def _map(fn, items):
     """``map`` over a thread pool: NumPy releases the GIL, so the CPU path scales with cores."""
-    global _POOL
     items = list(items)
     if len(items) < 2:
         return [fn(x) for x in items]
-    if _POOL is None:
-        workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
-    return list(_POOL.map(fn, items))
+    return list(_pool().map(fn, items))
 
 
 @dataclass(frozen=True)
@@ -191,6 +198,52 @@ def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
     return layout.materialize(snapshot.manifest, snapshot.buffer, map_location)
 
 
+# Bytes copied and summed per piece by ``unpack_verified``: small enough to be summed from cache.
+_PIECE_BYTES = 1 << 20
+
+
+def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
+    """``unpack`` (into new tensors, each its own storage) and ``buffer_checksum`` of a CPU buffer, in one pass.
+
+    Each piece is copied out, then summed from its copy while that is still in cache, on the codec's
+    threads: one pass over ``buf`` instead of two (a restore reads a slot or a decoded buffer once).
+    The caller compares the checksum with the one it trusts before using the state.
+    """
+    leaves = layout.empty_leaves(manifest)
+    pieces = [(layout.leaf_bytes(leaf), spec.offset, a, min(spec.nbytes, a + _PIECE_BYTES))
+              for spec, leaf in zip(manifest.tensors, leaves) for a in range(0, spec.nbytes, _PIECE_BYTES)]
+    batches, size = [[]], 0
+    for p in pieces:  # about 4 MiB per task
+        if size >= 4 * _PIECE_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(p)
+        size += p[3] - p[2]
+
+    def run(batch: list) -> tuple[int, list[tuple[int, int]]]:
+        total, covered = 0, []
+        for dst, offset, a, b in batch:
+            piece = dst[a:b]
+            piece.copy_(buf[offset + a : offset + b])
+            whole = (b - a) // 8 * 8
+            start = (offset + a) // 8  # tensor offsets are 64-byte aligned, pieces 1 MiB
+            total += planes.word_sum(piece[:whole].numpy().view(np.uint64), start)
+            covered.append((start, start + whole // 8))
+        return total, covered
+
+    results = _map(run, batches)
+    total = sum(t for t, _ in results)
+    # The words no piece covered (padding, the last partial word of a tensor), from ``buf`` itself.
+    host = buf.numpy()
+    words, pos = host[: host.size // 8 * 8].view(np.uint64), 0
+    for start, end in sorted(c for _, cs in results for c in cs):
+        if start > pos:
+            total += planes.word_sum(words[pos:start], pos)
+        pos = max(pos, end)
+    total += planes.word_sum(words[pos:], pos)
+    return layout.finish_leaves(manifest, leaves), planes.finish_checksum(total, host)
+
+
 def restore_into(snapshot: Snapshot, live: Any) -> Any:
     """Copies a snapshot into the tensors of ``live`` in place and returns the restored state.
 
@@ -316,6 +369,118 @@ def decode_snapshot(
     return Snapshot(manifest, out, got)
 
 
+class Decoder:
+    """Decodes a full version while it arrives: chunks in any order, from several threads.
+
+    Each segment chunk is verified and applied on the codec's thread pool as soon as it and the
+    header are in, so decoding overlaps the transfer; chunks that come before the header wait for
+    it. ``add`` every chunk (a repeat of an index already added is ignored: a retried stream may
+    resend some), then ``finish`` for the snapshot, verified end to end like ``decode_snapshot``'s.
+    ``max_nbytes`` bounds the buffer the header may ask for.
+
+    Raises (from ``add`` or ``finish``):
+        CodecError: a chunk is corrupted, foreign, out of range or missing; the header is malformed
+            or a delta's; or the decoded buffer does not match the version's checksum.
+    """
+
+    def __init__(self, max_nbytes: int | None = None):
+        self._max_nbytes = max_nbytes
+        self._lock = threading.Lock()
+        self._seen: set[int] = set()
+        self._early: list[Chunk] = []  # before the header
+        self._futures: list = []
+        self._count: int | None = None
+        self.header: dict | None = None
+        self.wire_nbytes = 0
+        self._segments: list[tuple[int, int, int]] = []
+        self._manifest: Manifest | None = None
+        self._out: torch.Tensor | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        with self._lock:
+            if chunk.index in self._seen:
+                return
+            if self._count is not None:
+                self._check_place(chunk)
+            self._seen.add(chunk.index)
+            self.wire_nbytes += len(chunk.payload) + CHUNK_OVERHEAD
+            if chunk.index != 0:
+                if self.header is None:
+                    self._early.append(chunk)
+                else:
+                    self._futures.append(_pool().submit(self._apply, chunk))
+                return
+            self._start(chunk)
+            for c in self._early:
+                self._check_place(c)
+            self._futures += [_pool().submit(self._apply, c) for c in self._early]
+            self._early = []
+
+    def _check_place(self, chunk: Chunk) -> None:
+        if chunk.count != self._count or not 0 <= chunk.index < self._count:
+            raise CodecError(f"chunk {chunk.index} of {chunk.count} does not belong to a version of {self._count} "
+                             "chunks: foreign")
+
+    def _start(self, head: Chunk) -> None:
+        _verify_chunk(head)
+        header = _parse_header([head])
+        if header["kind"] != "full":
+            raise CodecError("a streamed version must be a full one; this is a delta")
+        manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
+        if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
+            raise CodecError("the header's layout id or size does not match its manifest")
+        self._segments = segments(manifest, header["chunk_bytes"])
+        if head.count - 1 != len(self._segments):
+            raise CodecError(f"version has {head.count - 1} segment chunks, its manifest needs {len(self._segments)}")
+        if self._max_nbytes is not None and manifest.nbytes > self._max_nbytes:
+            raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {self._max_nbytes} allowed")
+        self._manifest, self._count = manifest, head.count
+        self._out = layout.alloc_buffer(manifest)
+        self.header = header
+
+    def _apply(self, chunk: Chunk) -> None:
+        _verify_chunk(chunk)
+        off, n, size = self._segments[chunk.index - 1]
+        planes.apply_segment(np.frombuffer(chunk.payload, dtype=np.uint8), size, off,
+                             self._out.numpy()[off : off + n * size])
+
+    def finish(self) -> Snapshot:
+        """The decoded snapshot, verified; waits for the chunks still being applied."""
+        self._wait()
+        return Snapshot(self._manifest, self._out, self._check(buffer_checksum(self._out)))
+
+    def state(self) -> Any:
+        """The decoded state in new tensors (``unpack_verified``: summed as it is copied out), verified."""
+        self._wait()
+        state, got = unpack_verified(self._manifest, self._out)
+        self._check(got)
+        return state
+
+    def _wait(self) -> None:
+        with self._lock:
+            if self.header is None:
+                raise CodecError(f"truncated version: its header (chunk 0) never came ({len(self._seen)} chunks did)")
+            missing = sorted(set(range(self._count)) - self._seen)
+            futures = list(self._futures)
+        for f in futures:
+            f.result()  # a chunk's CodecError
+        if missing:
+            raise CodecError(f"truncated version: {len(missing)} of its {self._count} chunks are missing "
+                             f"(first: chunk {missing[0]})")
+
+    def _check(self, got: int) -> int:
+        if got != int(self.header["checksum"], 16):
+            raise CodecError(f"decoded snapshot has checksum {got:016x}, the version says {self.header['checksum']}: "
+                             "the chunks do not belong to this version")
+        return got
+
+
+def _verify_chunk(c: Chunk) -> None:
+    got = planes.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+    if got != c.checksum:
+        raise CodecError(f"chunk {c.index} of {c.count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+
+
 def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
     """Steps ``snapshot`` (the version a delta produced) back to the delta's base, in place.
 
@@ -423,10 +588,7 @@ def verify_chunks(chunks: Sequence[Chunk]) -> None:
     for i, c in enumerate(chunks):
         if c.index != i or c.count != count:
             raise CodecError(f"chunk {i} of {count} claims to be chunk {c.index} of {c.count}: reordered or foreign")
-    sums = _map(lambda c: planes.checksum(np.frombuffer(c.payload, dtype=np.uint8)), chunks)
-    for i, (c, got) in enumerate(zip(chunks, sums)):
-        if got != c.checksum:
-            raise CodecError(f"chunk {i} of {count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+    _map(_verify_chunk, chunks)
 
 
 def _parse_header(chunks: Sequence[Chunk]) -> dict:

@@ -422,19 +422,40 @@ def materialize(manifest: Manifest, buf: torch.Tensor, map_location: Any = None)
     Each tensor gets its own storage: some consumers ignore a view's storage offset
     (``torch.set_rng_state`` does), and one tensor kept alive should not pin the whole buffer.
     """
-    arrays = []
+    leaves = empty_leaves(manifest, map_location)
+    for spec, leaf in zip(manifest.tensors, leaves):
+        if spec.nbytes and getattr(leaf, "device", None) != torch.device("meta"):
+            leaf_bytes(leaf).copy_(buf[spec.offset : spec.offset + spec.nbytes])
+    return finish_leaves(manifest, leaves)
+
+
+def empty_leaves(manifest: Manifest, map_location: Any = None) -> list[Any]:
+    """New, uninitialised leaves for the manifest's tensors: tensors on their device (or
+    ``map_location``), numpy arrays; ``leaf_bytes`` gives the bytes to fill, ``finish_leaves`` the state."""
+    leaves: list[Any] = []
     for spec in manifest.tensors:
         if spec.kind == "ndarray":
-            raw = buf[spec.offset : spec.offset + spec.nbytes].cpu().numpy()
-            arrays.append(raw.view(np.dtype(spec.np_dtype)).reshape(spec.shape).copy())
-            continue
-        device = torch.device(map_location) if map_location is not None else torch.device(spec.device)
-        t = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device)
-        if device.type != "meta":
-            copy_bits(t, tensor_view(buf, spec))
+            leaves.append(np.empty(spec.shape, dtype=np.dtype(spec.np_dtype)))
+        else:
+            device = torch.device(map_location) if map_location is not None else torch.device(spec.device)
+            leaves.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device))
+    return leaves
+
+
+def leaf_bytes(leaf: Any) -> torch.Tensor:
+    """The bytes of a leaf from ``empty_leaves`` as a flat uint8 tensor (a view: writing it fills the leaf)."""
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf.reshape(-1).view(np.uint8))
+    return leaf.reshape(-1).view(torch.uint8)
+
+
+def finish_leaves(manifest: Manifest, leaves: list[Any]) -> Any:
+    """The nested state from filled leaves: parameters wrapped, gradients required as recorded."""
+    out = []
+    for spec, leaf in zip(manifest.tensors, leaves):
         if spec.kind == "param":
-            t = torch.nn.Parameter(t, requires_grad=spec.requires_grad)
-        elif spec.requires_grad:
-            t.requires_grad_(True)
-        arrays.append(t)
-    return unflatten(manifest, arrays)
+            leaf = torch.nn.Parameter(leaf, requires_grad=spec.requires_grad)
+        elif spec.kind != "ndarray" and spec.requires_grad:
+            leaf.requires_grad_(True)
+        out.append(leaf)
+    return unflatten(manifest, out)

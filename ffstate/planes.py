@@ -50,6 +50,22 @@ def checksum(data: np.ndarray, mapper=map) -> int:
     full = length // 8
     words = data[: full * 8].view(np.uint64)
     total = sum(mapper(lambda s: _mix_sum(words[s : s + PIECE], s), range(0, full, PIECE)))
+    return finish_checksum(total, data)
+
+
+def word_sum(words: np.ndarray, start: int) -> int:
+    """The part of ``checksum`` that the 64-bit words ``words`` contribute when the first is word ``start``.
+
+    A checksum is the sum of such parts over any split of a buffer's whole words, then
+    ``finish_checksum``: a reader can sum each piece while it is in cache from copying it.
+    """
+    return sum(_mix_sum(words[s : s + PIECE], start + s) for s in range(0, words.size, PIECE))
+
+
+def finish_checksum(total: int, data: np.ndarray) -> int:
+    """The checksum of ``data`` (flat uint8) from ``total``, the ``word_sum`` of all its whole words."""
+    length = data.size
+    full = length // 8
     if length % 8:
         tail = np.zeros(8, dtype=np.uint8)
         tail[: length % 8] = data[full * 8 :]

@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ffstate import codec, layout, shm
+from ffstate import codec, shm
 from ffstate._proto import replica_pb2 as pb
-from ffstate.client import Client, fetch_striped
+from ffstate.client import Client, stream_striped
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.layout import Manifest
 
@@ -156,8 +156,9 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     if local is not None and version in local.committed_versions:
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
-        try:  # straight from the slot into new tensors: one copy, then the slot's checksum is verified
-            got = slots.read(version, lambda view: layout.materialize(manifest.with_scalars(view.scalars), view.data))
+        try:  # straight from the slot into new tensors, summed as copied, checked against the daemon's record
+            got = slots.read(version, lambda view: codec.unpack_verified(manifest.with_scalars(view.scalars), view.data),
+                             summed=True)
         except shm.SlotError as e:
             log.error("rank %d: this node's slot of version %d failed its check (%s); trying the holders", rank,
                       version, e)
@@ -171,12 +172,13 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     sources = [a for a, v in mine.remote.items() if version in v]
     if not sources:
         raise ReplicaUnavailable(f"rank {rank}: no live copy of version {version} (holders: {mine.remote})")
+    decoder = codec.Decoder()  # decodes each chunk as it arrives, while the rest is on the wire
     try:
-        packed = fetch_striped([holders[a] for a in sources], job, rank, world, version)
-        state = codec.decode(packed)
+        stream_striped([holders[a] for a in sources], job, rank, world, version, decoder.add)
+        state = decoder.state()
     except (ReplicaError, CodecError) as e:
         raise ReplicaUnavailable(f"rank {rank}: fetching version {version} from {sources} failed: {e}") from e
-    return state, ",".join(sources), packed.raw_nbytes
+    return state, ",".join(sources), int(decoder.header["nbytes"])
 
 
 def _timedelta(seconds: float):

@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +39,6 @@ from ffstate.errors import FFStateError
 from ffstate.layout import Manifest
 
 log = logging.getLogger("ffstate.shm")
-T = TypeVar("T")
 
 SHM_DIR = Path(os.environ.get("FFSTATE_SHM_DIR", "/dev/shm"))
 MAGIC = b"FFSLOT01"
@@ -340,13 +339,14 @@ class Slots:
         """True while the worker has not started rewriting the slot ``view`` came from."""
         return self._seq(view.index) == view.seq
 
-    def read(self, version: int, take: Callable[[SlotView], T]) -> tuple[SlotView, T] | None:
+    def read(self, version: int, take: Callable[[SlotView], Any], summed: bool = False) -> tuple[SlotView, Any] | None:
         """``take(view)`` of the committed slot holding ``version`` (0: the newest), verified.
 
         ``take`` gets the slot's view (its ``data`` is the slot's bytes, no copy) and must copy what
         it keeps. The slot's checksum is checked against the daemon's record of it (computed here
         when there is none yet); the result counts only if the worker did not start rewriting the
-        slot meanwhile, else it is read again.
+        slot meanwhile, else it is read again. With ``summed``, ``take`` returns what it keeps and the
+        checksum of ``view.data``, computed as it copied (``codec.unpack_verified``): one pass, not two.
         None when no committed slot holds ``version``.
 
         Raises:
@@ -357,8 +357,11 @@ class Slots:
             view = self.latest() if not version else self._view_of(version)
             if view is None:
                 return None
-            got = take(view)
-            checksum = codec.buffer_checksum(view.data)
+            if summed:
+                got, checksum = take(view)
+            else:
+                got = take(view)
+                checksum = codec.buffer_checksum(view.data)
             if not self.unchanged(view):
                 continue
             if view.checksum is not None and checksum != view.checksum:

@@ -326,3 +326,76 @@ def test_revert_steps_a_snapshot_back_through_its_deltas_bitwise():
         assert_bitwise_equal(codec.unpack(held), states[i])
     with pytest.raises(CodecError, match="not the given one"):
         codec.revert_snapshot(deltas[1], held, snaps[0].manifest.scalars)
+
+
+# ---------------------------------------------------------------- streaming decode (remote restore)
+
+
+def _stream(chunks, threads=3, max_nbytes=None):
+    """Feeds ``chunks`` to a Decoder from ``threads`` threads at once, as stripes do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dec = codec.Decoder(max_nbytes)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda i: [dec.add(c) for c in chunks[i::threads]], range(threads)))
+    return dec.finish()
+
+
+def test_streamed_full_version_decodes_bit_exact_in_any_order_with_repeats(pair):
+    _, s1, _, _ = pair
+    full = codec.encode(s1, chunk_bytes=64 << 10)
+    assert len(full.chunks) > 8
+    chunks = list(full.chunks)
+    rng = np.random.default_rng(0)
+    rng.shuffle(chunks)  # the header is not first
+    chunks += chunks[: len(chunks) // 2]  # a retried stripe resends some
+    snapshot = _stream(chunks)
+    assert snapshot.checksum == full.checksum
+    assert_bitwise_equal(codec.unpack(snapshot), s1)
+    dec = codec.Decoder()
+    for c in chunks:
+        dec.add(c)
+    assert_bitwise_equal(dec.state(), s1)  # copied out and summed in one pass
+
+
+def test_unpack_verified_sums_what_it_copies_bit_exact():
+    """One pass: the copies are the state, their sum is the buffer's checksum (padding and tails included)."""
+    state = {"a": torch.arange(13, dtype=torch.uint8), "b": torch.randn(3, 5, dtype=torch.float64),
+             "big": torch.randn(700_001), "h": torch.randn(7).half(), "n": np.arange(5, dtype=np.int16), "s": 3}
+    snapshot = codec.pack(state)
+    got, checksum = codec.unpack_verified(snapshot.manifest, snapshot.buffer)
+    assert checksum == snapshot.checksum
+    assert_bitwise_equal(got, state)
+    spec = {t.name: t for t in snapshot.manifest.tensors}
+    assert spec["big"].nbytes > 2 << 20 and spec["big"].nbytes % 8  # several pieces, a partial last word
+    got["big"][0] = 1.0  # new storage, not a view of the buffer
+    assert not torch.equal(got["big"], layout.tensor_view(snapshot.buffer, spec["big"]))
+    snapshot.buffer[spec["a"].offset + 13] ^= 1  # a padding byte: not in the state, but in the sum
+    assert codec.unpack_verified(snapshot.manifest, snapshot.buffer)[1] != snapshot.checksum
+
+
+def test_streamed_version_with_a_bad_chunk_is_refused(pair):
+    s0, s1, d, _ = pair
+    full = codec.encode(s1, chunk_bytes=64 << 10)
+    chunks = list(full.chunks)
+    bad = bytearray(chunks[3].payload)
+    bad[len(bad) // 2] ^= 0x01
+    corrupted = chunks[:3] + [Chunk(3, chunks[3].count, chunks[3].checksum, memoryview(bytes(bad)))] + chunks[4:]
+    with pytest.raises(CodecError, match="chunk 3 .* corrupted"):
+        _stream(corrupted)
+    with pytest.raises(CodecError, match="truncated.*missing"):
+        _stream(chunks[:5] + chunks[6:])
+    with pytest.raises(CodecError, match="header .* never came"):
+        _stream(chunks[1:])
+    foreign = codec.encode(s0, chunk_bytes=32 << 10).chunks  # another count
+    with pytest.raises(CodecError, match="foreign"):
+        _stream(chunks + [foreign[len(chunks) + 1]], threads=1)
+    with pytest.raises(CodecError, match="more than"):
+        _stream(chunks, max_nbytes=1000)
+    with pytest.raises(CodecError, match="delta"):
+        _stream(list(d.chunks))
+    relabelled = list(chunks)  # valid chunks, swapped places
+    a, b = chunks[1], chunks[2]
+    relabelled[1], relabelled[2] = Chunk(1, a.count, b.checksum, b.payload), Chunk(2, a.count, a.checksum, a.payload)
+    with pytest.raises(CodecError, match="out of place"):
+        _stream(relabelled)
