@@ -64,7 +64,8 @@ def main() -> None:
         opt.step()
 
     modes = a.modes.split(",")
-    results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0} for m in modes}
+    results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
+                                    "drain_seconds": []} for m in modes}
     for r in range(a.repeats):
         for mode in modes:
             res = results[mode]
@@ -89,7 +90,13 @@ def main() -> None:
                         res["step_seconds"].append(time.perf_counter() - start)
                     if i == 1:
                         before = ff.stats(wait=60)
+                # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),
+                # and how long it takes to drain: pacing that only defers the work would show here.
+                end = ff.stats()
+                start = time.perf_counter()
                 after = ff.stats(wait=60)
+                res["lag_at_end"].append(end["version"] - end["replicated_version"])
+                res["drain_seconds"].append(time.perf_counter() - start)
             res["wire_bytes"] += after["pushed_bytes"] - before["pushed_bytes"]
             res["wire_versions"] += after["pushed_versions"] - before["pushed_versions"]
             res["state_bytes"], res["shard_bytes"] = after.get("state_bytes", 0), after.get("shard_bytes", 0)

@@ -1,7 +1,7 @@
 """Overhead benchmark: step time and bytes replicated per step, ffstate off and on, paced and naive, razor on
 and off, in one run, on loopback and on tc-shaped links.
 
-torchrun with 4 CPU ranks as 2 nodes trains TinyGPT under DDP (plain AdamW: model and optimizer
+torchrun with 4 CPU ranks as 2 nodes (``--ranks-per-node``) trains TinyGPT under DDP (plain AdamW: model and optimizer
 state identical across the group) and under DDP with a ZeroRedundancyOptimizer. On ``loopback``
 the nodes are simulated on one network; on a rate such as ``200mbit`` each node is a network
 namespace with its own torchrun agent and daemons, joined by a veth link shaped with ``tc``, so the
@@ -54,8 +54,8 @@ def _schedulers(modes: list[str]) -> list[str]:
 
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
-            link: "netns.Link | None" = None) -> list[dict]:
-    """One torchrun job (4 ranks, 2 nodes) running every mode in interleaved phases; the daemons of each
+            link: "netns.Link | None" = None, per_node: int = 2) -> list[dict]:
+    """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases; the daemons of each
     scheduler policy on their own ports. On loopback the nodes are simulated; on a link, each is a namespace."""
     token = secrets.token_hex(8)
     tag = f"{parallel}-{link.rate if link else 'loopback'}"
@@ -83,11 +83,11 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
             env["FFSTATE_SIMULATED_NODES"] = str(NODES)
             with open(work / f"torchrun-{tag}.log", "w") as f:
                 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                       "4", *worker], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+                                       str(NODES * per_node), *worker], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
             failed = [proc.returncode] if proc.returncode else []
             logs = [(work / f"torchrun-{tag}.log").read_text()]
         else:
-            results = netns.torchrun_two_nodes(link, worker, env, timeout=3600, restarts=0)
+            results = netns.torchrun_two_nodes(link, worker, env, nproc=per_node, timeout=3600, restarts=0)
             failed = [r.returncode for r in results if r.returncode]
             logs = [r.stdout for r in results]
         if failed:
@@ -101,7 +101,7 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
                 d.wait(30)
             except subprocess.TimeoutExpired:
                 d.kill()
-    return [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(4)]
+    return [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(NODES * per_node)]
 
 
 def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
@@ -116,6 +116,11 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
                 p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"])
             row["replicated_bytes_per_rank"] = statistics.median(p["shard_bytes"] for p in per_rank)
             row["state_bytes_per_rank"] = statistics.median(p["state_bytes"] for p in per_rank)
+            # The slowest rank's lag when a phase's last step was committed, median over phases.
+            if all(p.get("lag_at_end") for p in per_rank):
+                row["lag_at_end"] = statistics.median(max(ls) for ls in zip(*(p["lag_at_end"] for p in per_rank)))
+                row["drain_seconds"] = statistics.median(
+                    max(ds) for ds in zip(*(p["drain_seconds"] for p in per_rank)))
         out[mode] = row
     for row in out.values():
         row["step_ratio"] = row["step_seconds"] / out["off"]["step_seconds"] if "off" in out else None
@@ -123,18 +128,18 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
 
 
 def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
-        out_dir: Path) -> dict:
+        out_dir: Path, per_node: int = 2) -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
-                         "size": size, "ranks": 4, "nodes": NODES, "replicas": 1, "links": links}, "jobs": {}}
+                         "size": size, "ranks": NODES * per_node, "nodes": NODES, "replicas": 1, "links": links}, "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
         for where in links:
             for parallel in parallels:
                 if where == "loopback":
-                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp))
+                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), per_node=per_node)
                 else:
                     with netns.shaped_link(where) as link:
-                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link)
+                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link, per_node)
                 result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes)
     return publish(out_dir, "overhead", result, report, plot)
 
@@ -150,12 +155,14 @@ def report(result: dict) -> str:
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
                          f"{row['replicated_bytes_per_rank'] / 1e6:.2f} of {row['state_bytes_per_rank'] / 1e6:.2f}"
-                         if "replicated_bytes_per_rank" in row else "-"])
+                         if "replicated_bytes_per_rank" in row else "-",
+                         f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-"])
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, k={cfg['replicas']}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "wire MB/step/rank",
-                                             "x razor-off", "replicated MB of state MB"])])
+                                             "x razor-off", "replicated MB of state MB",
+                                             "lag at end steps / drain ms"])])
 
 
 def plot(result: dict, path: Path) -> Path | None:
@@ -192,6 +199,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per phase; the first two are not timed (default 10)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved phases per mode (default 3)")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="TinyGPT size (default: small)")
+    p.add_argument("--ranks-per-node", type=int, choices=(1, 2), default=2,
+                   help="training ranks on each of the 2 nodes (default 2; 1 leaves a core per node for its daemon)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
@@ -205,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--parallel takes ddp and/or ddp-zero, --modes off and/or {sorted(MODES)}, --steps >= 4")
     if any(x != "loopback" for x in links) and netns.unavailable():
         raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
-    run(parallels, modes, args.steps, args.repeats, args.size, links, args.out)
+    run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node)
     return 0
 
 
