@@ -155,14 +155,16 @@ def pack(state: Any, out: torch.Tensor | None = None) -> Snapshot:
     return pack_into(state, out, manifest)
 
 
-def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, checksum: bool = True) -> Snapshot:
+def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, checksum: bool = True,
+              targets: Sequence[torch.Tensor] | None = None) -> Snapshot:
     """Packs ``state`` into ``out``, a uint8 buffer the caller owns (e.g. a shared-memory slot).
 
     ``out`` must hold ``manifest.nbytes`` bytes and be zero in the padding (``layout.alloc_buffer``
     gives such a buffer; later packs of the same layout keep it so). Passing the cached
     ``manifest`` of an earlier pack checks that the layout has not changed. With ``checksum=False``
     the snapshot's checksum is None: the caller leaves it to whoever reads the buffer (a commit
-    leaves it to the daemon, off the training path).
+    leaves it to the daemon, off the training path). ``targets`` are ``pack_targets(out,
+    manifest)``, kept by a caller that packs into the same buffer again and again.
 
     Raises:
         CodecError: the state changed layout, or ``out`` is too small or not a flat uint8 tensor.
@@ -183,14 +185,24 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, c
 
         kernels.gather(placed, out)
     else:
+        if targets is None:
+            targets = pack_targets(out, current)
         with torch.no_grad():
-            for spec, a in placed:
+            for (spec, a), dst in zip(placed, targets, strict=True):
                 if spec.kind == "ndarray":
-                    out[spec.offset : spec.offset + spec.nbytes].copy_(layout.array_bytes(a))
+                    dst.copy_(layout.array_bytes(a))
+                elif a.dtype == torch.bool:
+                    dst.view(torch.uint8).copy_(a.detach().view(torch.uint8))
                 else:
-                    layout.copy_bits(layout.tensor_view(out, spec), a)
+                    dst.copy_(a.detach())
     buf = out[: current.nbytes]
     return Snapshot(current, buf, buffer_checksum(buf) if checksum else None)
+
+
+def pack_targets(out: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:
+    """Where ``pack_into`` copies each tensor of the manifest in ``out``: views of ``out``, no copy."""
+    return [out[s.offset : s.offset + s.nbytes] if s.kind == "ndarray" else layout.tensor_view(out, s)
+            for s in manifest.tensors if s.nbytes]
 
 
 def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:

@@ -182,8 +182,10 @@ class Slots:
             start = PAGE + _round_up(cap)
             self.data.append(torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=manifest.nbytes)
                              if manifest.nbytes else torch.empty(0, dtype=torch.uint8))
+        self._targets: list[list[torch.Tensor] | None] = [None] * len(self.paths)  # commit's views, made once
 
     def close(self) -> None:
+        self._targets = [None] * len(self._targets)
         self.data.clear()
         for mm in self._maps:
             try:
@@ -269,7 +271,9 @@ class Slots:
         self.wait_timed_out = wait > 0 and not self._wait_taken(k, wait)
         seq = self._seq(k)
         self._set_seq(k, seq + 1 if seq % 2 == 0 else seq + 2)  # odd: being written
-        snap = codec.pack_into(state, self.data[k], self.manifest, checksum=False)
+        if self._targets[k] is None:
+            self._targets[k] = codec.pack_targets(self.data[k], self.manifest)
+        snap = codec.pack_into(state, self.data[k], self.manifest, checksum=False, targets=self._targets[k])
         scalars = json.dumps(list(snap.manifest.scalars), separators=(",", ":")).encode()
         if len(scalars) > self.scalars_capacity:
             raise SlotError(f"the state's scalars take {len(scalars)} bytes of JSON, the slot has room for "
