@@ -30,6 +30,7 @@ class Available:
 
     local: list[int] = field(default_factory=list)  # versions in its node's slots
     remote: dict[str, list[int]] = field(default_factory=dict)  # holder address -> versions
+    nbytes: int = 0  # the most memory a holder says the shard takes there: a bound on what a fetch may allocate
 
     @property
     def versions(self) -> set[int]:
@@ -90,6 +91,7 @@ def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.A
                     got[r].remote[address] = older
             else:
                 got[r].remote[address] = list(s.versions)
+            got[r].nbytes = max(got[r].nbytes, s.bytes)
     return got
 
 
@@ -172,7 +174,9 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     sources = [a for a, v in mine.remote.items() if version in v]
     if not sources:
         raise ReplicaUnavailable(f"rank {rank}: no live copy of version {version} (holders: {mine.remote})")
-    decoder = codec.Decoder()  # decodes each chunk as it arrives, while the rest is on the wire
+    # Decodes each chunk as it arrives, while the rest is on the wire; a header asking for more memory than
+    # the holders said the shard takes is refused before anything is allocated.
+    decoder = codec.Decoder(max_nbytes=mine.nbytes or None)
     try:
         stream_striped([holders[a] for a in sources], job, rank, world, version, decoder.add)
         state = decoder.state()

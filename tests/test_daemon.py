@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from daemons import TOKEN, held_version, make_tls, wait_until
-from ffstate import codec, layout, shm
+from ffstate import codec, layout, recovery, shm
 from ffstate.client import Client, Tls, fetch_striped
 from ffstate.errors import ReplicaError, ReplicaUnavailable
 from helpers import assert_bitwise_equal
@@ -163,8 +163,18 @@ def test_striped_fetch_from_two_holders(daemons, tmp_path):
     packed = fetch_striped([cb, cc], "j7", 0, 2, version=3)
     assert len(packed.chunks) > 2
     assert_bitwise_equal(codec.decode(packed), states[2])
+    # A restore streams both stripes into one decoder, bounded by what the holders say the shard takes.
+    holders = {b.address: cb, c.address: cc}
+    mine = recovery.survey_ranks("j7", [0], 2, {0: None}, holders)[0]
+    assert set(mine.remote) == set(holders) and mine.nbytes >= packed.raw_nbytes
+    got = recovery.fetch("j7", 0, 2, 3, mine, None, holders, 3)
+    assert_bitwise_equal(got.state, states[2])
+    assert got.source == f"{b.address},{c.address}" and got.nbytes == packed.raw_nbytes
+    with pytest.raises(ReplicaUnavailable, match="more than the 1000 allowed"):
+        recovery.fetch("j7", 0, 2, 3, recovery.Available(remote=mine.remote, nbytes=1000), None, holders, 3)
     c.kill()  # a holder gone: its stripe comes from the other
     assert_bitwise_equal(codec.decode(fetch_striped([cc, cb], "j7", 0, 2, version=3)), states[2])
+    assert_bitwise_equal(recovery.fetch("j7", 0, 2, 3, mine, None, holders, 3).state, states[2])
 
 
 def test_replication_over_mutual_tls_and_health(daemons, tmp_path):
