@@ -23,8 +23,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Sequence
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 

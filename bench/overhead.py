@@ -1,11 +1,12 @@
 """Overhead benchmark: step time and bytes replicated per step, ffstate off and on, paced and naive, razor on
 and off, in one run, on loopback and on tc-shaped links.
 
-torchrun with 4 CPU ranks as 2 nodes (``--ranks-per-node``) trains TinyGPT under DDP (plain AdamW: model and optimizer
-state identical across the group) and under DDP with a ZeroRedundancyOptimizer. On ``loopback``
-the nodes are simulated on one network; on a rate such as ``200mbit`` each node is a network
-namespace with its own torchrun agent and daemons, joined by a veth link shaped with ``tc``, so the
-training's gloo traffic and the replication cross the same slow link. In each job the modes run in
+torchrun with 4 CPU ranks as 2 nodes (2 with ``--ranks-per-node 1``) trains TinyGPT under DDP
+(plain AdamW: model and optimizer state identical across the group) and under DDP with a
+ZeroRedundancyOptimizer. On ``loopback`` the nodes are simulated on one network; on a rate such
+as ``200mbit`` each node is a network namespace with its own torchrun agent and daemons, joined by
+a veth link shaped with ``tc``, so the training's gloo traffic and the replication cross the same
+slow link. In each job the modes run in
 interleaved phases of the same training (``bench/_overhead_worker.py``):
 
 - ``off``: no ffstate;
@@ -55,8 +56,9 @@ def _schedulers(modes: list[str]) -> list[str]:
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
             link: "netns.Link | None" = None, per_node: int = 2) -> list[dict]:
-    """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases; the daemons of each
-    scheduler policy on their own ports. On loopback the nodes are simulated; on a link, each is a namespace."""
+    """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases;
+    the daemons of each scheduler policy on their own ports. On loopback the nodes are simulated; on a
+    link, each is a namespace."""
     token = secrets.token_hex(8)
     tag = f"{parallel}-{link.rate if link else 'loopback'}"
     out = work / tag
@@ -83,7 +85,8 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
             env["FFSTATE_SIMULATED_NODES"] = str(NODES)
             with open(work / f"torchrun-{tag}.log", "w") as f:
                 proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                       str(NODES * per_node), *worker], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=3600)
+                                       str(NODES * per_node), *worker], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                      timeout=3600)
             failed = [proc.returncode] if proc.returncode else []
             logs = [(work / f"torchrun-{tag}.log").read_text()]
         else:
@@ -131,7 +134,8 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
         out_dir: Path, per_node: int = 2) -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
-                         "size": size, "ranks": NODES * per_node, "nodes": NODES, "replicas": 1, "links": links}, "jobs": {}}
+                         "size": size, "ranks": NODES * per_node, "nodes": NODES, "replicas": 1, "links": links},
+              "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
         for where in links:
             for parallel in parallels:

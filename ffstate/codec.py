@@ -206,7 +206,7 @@ def pack_targets(out: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:
 
 
 def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
-    """A new state from a snapshot: CPU tensors are views of its buffer, others are copied to their device."""
+    """A new state from a snapshot: every tensor copied out into its own storage, on its device (or ``map_location``)."""
     return layout.materialize(snapshot.manifest, snapshot.buffer, map_location)
 
 

@@ -424,7 +424,7 @@ def materialize(manifest: Manifest, buf: torch.Tensor, map_location: Any = None)
     """
     leaves = empty_leaves(manifest, map_location)
     for spec, leaf in zip(manifest.tensors, leaves):
-        if spec.nbytes and getattr(leaf, "device", None) != torch.device("meta"):
+        if spec.nbytes and not (isinstance(leaf, torch.Tensor) and leaf.is_meta):
             leaf_bytes(leaf).copy_(buf[spec.offset : spec.offset + spec.nbytes])
     return finish_leaves(manifest, leaves)
 
