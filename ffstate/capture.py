@@ -84,6 +84,57 @@ def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and thi
     return fut.then(done)
 
 
+def _marked(marks, started: int, work):
+    """Marks the collective ``work`` off the wire when it completes (or now, if it ran synchronously)."""
+    if work is None:
+        marks.end(started)
+        return work
+    try:
+        work.get_future().then(lambda _: marks.end(started))
+    except RuntimeError:  # a backend whose work has no future: marked as issued only
+        marks.end(started)
+    return work
+
+
+def mark_fsdp_collectives(model: torch.nn.Module, marks) -> int:
+    """Marks FSDP2's all-gathers and reduce-scatters on the wire for the scheduler; returns how many
+    FSDP modules were marked (0: none, or the installed torch lacks the seam).
+
+    Uses ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` with FSDP's own
+    default collectives wrapped: the same calls with the same arguments, so the bits do not change
+    (the FSDP2 recovery test compares against a run without ffstate). A module whose collectives a
+    user replaced is left alone.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        return 0
+
+    class MarkedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            started = marks.start()
+            return _marked(marks, started, super().__call__(output_tensor, input_tensor, group, async_op))
+
+    class MarkedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            started = marks.start()
+            return _marked(marks, started, super().__call__(output_tensor, input_tensor, group, op, async_op))
+
+    marked = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) != 1 or type(groups[0]._all_gather_comm) is not DefaultAllGather \
+                or type(groups[0]._reduce_scatter_comm) is not DefaultReduceScatter:
+            continue  # no parameters of its own, several meshes, or the user's own collectives
+        module.set_custom_all_gather(MarkedAllGather())
+        module.set_custom_reduce_scatter(MarkedReduceScatter())
+        marked += 1
+    return marked
+
+
 def load_model(model: torch.nn.Module, saved: dict) -> None:
     """Copies ``saved`` into the model's parameters and buffers in place (DTensors: into their local shards)."""
     live = model.state_dict()

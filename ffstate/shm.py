@@ -149,8 +149,14 @@ class CommMarks:
             if self._mm is not None:
                 i = self._count % COMM_RING
                 struct.pack_into("<QQ", self._mm, COMM_OFFSET + 16 + 16 * i, started, time.time_ns())
-                self._count += 1
+            self._count += 1
+            if self._mm is not None:
                 struct.pack_into("<qQ", self._mm, COMM_OFFSET, self._inflight, self._count)
+
+    @property
+    def count(self) -> int:
+        """Collectives marked off the wire so far (the ring's write count once attached)."""
+        return self._count
 
 
 class Slots:

@@ -342,8 +342,9 @@ class Replicated:
     # ------------------------------------------------------------ daemons
 
     def _comm_marks(self, rank: int) -> shm.CommMarks:
-        """The marks of this model's all-reduces for the scheduler: DDP takes one communication hook per
-        model, ever, so the hook and its marks stay with the model across ``replicate`` contexts."""
+        """The marks of this model's collectives for the scheduler: DDP's gradient all-reduces (DDP takes
+        one communication hook per model, ever, so the hook and its marks stay with the model across
+        ``replicate`` contexts), or FSDP2's all-gathers and reduce-scatters."""
         model = self.model
         marks = getattr(model, "_ffstate_marks", None)
         if marks is not None:
@@ -355,6 +356,9 @@ class Replicated:
                 model._ffstate_marks = marks
             except (RuntimeError, ValueError) as e:
                 log.warning("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
+        elif self.cfg.scheduler == "windows":  # FSDP2: its all-gathers and reduce-scatters
+            if capture.mark_fsdp_collectives(model, marks):
+                model._ffstate_marks = marks
         return marks
 
     def _generation(self) -> str:

@@ -1,0 +1,68 @@
+"""torchrun, 2 ranks: FSDP2 (fully_shard) trained twice from the same seed, once with its collectives marked for
+the scheduler (``capture.mark_fsdp_collectives``) and once without; writes OUT/rank<R>.json with the marks
+counted per step and whether every parameter and optimizer tensor came out bit-identical.
+
+    torchrun --nproc-per-node 2 tests/procs/fsdp_marks.py OUT
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+from ffstate import capture, shm  # noqa: E402
+from ffstate.models import TinyGPT  # noqa: E402
+from helpers import bits  # noqa: E402
+
+STEPS = 3
+
+
+def train(marks: shm.CommMarks | None) -> tuple[dict, list[int], int]:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    marked = capture.mark_fsdp_collectives(model, marks) if marks is not None else 0
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    counts = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step * 7 + dist.get_rank())
+        loss = model.loss(torch.randint(0, model.tok.num_embeddings, (4, model.seq + 1), generator=g))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        counts.append(marks.count if marks is not None else 0)
+    state = capture.local({"model": model.state_dict(), "optim": opt.state_dict()})
+    return state, counts, marked
+
+
+def flat(tree, prefix=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from flat(v, f"{prefix}/{k}")
+    elif isinstance(tree, torch.Tensor):
+        yield prefix, tree
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    dist.init_process_group("gloo")
+    plain, _, _ = train(None)
+    marks = shm.CommMarks()
+    marked_state, counts, marked = train(marks)
+    a, b = dict(flat(plain)), dict(flat(marked_state))
+    differ = [k for k in a if k not in b or not torch.equal(bits(a[k]), bits(b[k]))]
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
+        {"marked_modules": marked, "counts": counts, "inflight": marks._inflight, "tensors": len(a),
+         "differ": differ}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
