@@ -4,16 +4,19 @@ DESIGN.md section 4, step 3. The replicator asks ``before_chunk`` before each ch
 scheduler lets it go when
 
 - the training has no collective on the wire now (its workers mark each DDP gradient bucket's
-  all-reduce, start and end, in their slot headers: ``shm.CommMarks``), and none is predicted
-  before the chunk would be through (the last step's collectives, at the same offsets from the
-  step's commit, are taken as the next step's), and
-- a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth.
+  all-reduce, or FSDP2's all-gathers and reduce-scatters, start and end, in their slot headers:
+  ``shm.CommMarks``), and none is predicted before the chunk would be through (the last step's
+  collectives, at the same offsets from the step's commit, are taken as the next step's), and
+- a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth,
+  trickling, never in bursts (queued bytes would delay the next collective).
 
-The link estimate per holder is ``link_bytes_per_s`` when given; else it starts from the first
-push (sent unpaced: the probe) and follows a running average of real pushes, each timed less the
-time the scheduler held it. When a holder falls ``deadline`` versions behind, the scheduler stops
-waiting for windows (replication must stay within the lag, DESIGN.md I4), keeping only the rate
-cap, and counts and logs it. ``Naive`` sends as soon as a version is captured, for comparison.
+The link estimate per holder is ``link_bytes_per_s`` when given (the NIC's rate: the reliable
+setting); else it starts from the first push (sent unpaced: the probe) and follows a running
+average of real pushes, each timed less the time the scheduler held it. Chunks are cut to take a few milliseconds on
+the slowest link, so that they fit between collectives. When a holder falls ``deadline`` versions
+behind, the scheduler stops waiting for windows (replication must stay within the lag, DESIGN.md
+I4), keeping only the rate cap, and counts and logs it. ``Naive`` sends as soon as a version is
+captured, for comparison.
 """
 
 from __future__ import annotations
@@ -24,10 +27,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ffstate.config import Config
+
 log = logging.getLogger("ffstate.scheduler")
 
 EWMA = 0.3  # weight of the newest push in the running link estimate
-BURST_SECONDS = 0.05  # the token bucket holds this much of the allowed rate (chunks of 1 MiB at >= 20 MB/s)
+CHUNK_SECONDS = 0.003  # a paced chunk takes about this long on the slowest link: it fits between collectives
+MIN_CHUNK = 32 << 10  # below this the per-chunk costs (a gRPC message, a segment's encoding) start to show
+# The token bucket holds about one chunk: a chunk released goes into the socket's and the NIC queue's buffers
+# at once, and a collective that starts then waits behind everything queued there, so replication must
+# trickle at its rate, never release a backlog in one burst (a 50 ms bucket cost FSDP2 steps 13% at 100 Mbit/s).
+BURST_SECONDS = 0.005
+GUARD = 0.002  # seconds kept clear before a predicted collective (the prediction is a step old)
 POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
 
 
@@ -48,10 +59,13 @@ class Naive:
 
     name = "naive"
 
+    def chunk_bytes(self) -> int:
+        return Config.chunk_bytes
+
     def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
         return 0.0
 
-    def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
+    def after_push(self, holder: str, nbytes: int, seconds: float, held: float = 0.0) -> None:
         return None
 
     def links(self) -> dict[str, LinkState]:
@@ -87,6 +101,19 @@ class Scheduler:
         with self._lock:
             return dict(self._links)
 
+    def chunk_bytes(self) -> int:
+        """The segment size the replicator encodes with: a chunk should take about ``CHUNK_SECONDS`` on the
+        slowest known link, so that it fits in the gaps between the training's collectives and one that
+        starts is not held up long behind it; ``Config.chunk_bytes`` (1 MiB) until a link is measured
+        and on fast links. A power of two, at least ``MIN_CHUNK``."""
+        with self._lock:
+            slowest = min((link.estimate for link in self._links.values() if link.estimate),
+                          default=self.link_bytes_per_s)
+        if not slowest:
+            return Config.chunk_bytes
+        want = max(MIN_CHUNK, int(slowest * CHUNK_SECONDS))
+        return min(Config.chunk_bytes, 1 << (want.bit_length() - 1))
+
     def _link(self, holder: str) -> LinkState:
         with self._lock:
             if holder not in self._links:
@@ -107,9 +134,9 @@ class Scheduler:
             if link.overrides == 1 or link.overrides % 100 == 0:
                 log.warning("replication to %s is %d versions behind: sending past the training's windows "
                             "(%d chunks so far)", holder, behind, link.overrides)
-        else:
-            self._wait_for_window(nbytes / max(link.estimate, 1.0))
         self._take_tokens(link, nbytes, rate)
+        if behind < self.deadline:  # the window last: the rate cap's wait must not carry a chunk into a collective
+            self._wait_for_window(nbytes / max(link.estimate, 1.0))
         waited = self.clock() - start
         with self._lock:
             link.waited += waited
@@ -122,13 +149,11 @@ class Scheduler:
         while self.clock() < give_up:
             inflight, intervals, commits = self.busy()
             now = self.wall()
-            if inflight:
-                self.sleep(POLL)
-                continue
-            until = predicted_busy_until(now, now + seconds, intervals, commits)
-            if until is None:
+            until = predicted_busy_until(now, now + seconds + GUARD, intervals, commits)
+            if not inflight and until is None:
                 return
-            self.sleep(min(max(until - now, POLL), 0.05))
+            # on the wire now: until its predicted end, else a poll; predicted: until it is over
+            self.sleep(min(max((until or 0.0) - now, POLL), 0.05))
 
     def _take_tokens(self, link: LinkState, nbytes: int, rate: float) -> None:
         burst = max(rate * BURST_SECONDS, float(nbytes))
@@ -143,15 +168,22 @@ class Scheduler:
                 short = nbytes - link.tokens
             self.sleep(min(max(short / rate, 1e-4), 0.05))
 
-    def after_push(self, holder: str, nbytes: int, seconds: float) -> None:
-        """A push of ``nbytes`` moved in ``seconds`` (the time the scheduler held it already taken out)."""
+    def after_push(self, holder: str, nbytes: int, seconds: float, held: float = 0.0) -> None:
+        """A push of ``nbytes`` took ``seconds``, of which the scheduler held it ``held``.
+
+        The estimate follows ``nbytes / (seconds - held)``. Under pacing that overstates the link (up
+        to 2x at 100 Mbit/s in the FSDP2 bench: a chunk drains from the socket's buffers while the
+        scheduler holds the next), and the whole time would understate it and, capped by the share,
+        could never rise again after a slow first push; hence ``link_bytes_per_s`` where the rate is
+        known.
+        """
         link = self._link(holder)
-        measured = nbytes / max(seconds, 1e-3)
         if not link.estimate:
+            measured = nbytes / max(seconds, 1e-3)
             log.info("link to %s: %.1f MB/s from the first push (%d bytes)", holder, measured / 1e6, nbytes)
             link.estimate = measured
         elif not self.link_bytes_per_s:
-            link.estimate = (1 - EWMA) * link.estimate + EWMA * measured
+            link.estimate = (1 - EWMA) * link.estimate + EWMA * nbytes / max(seconds - held, 1e-3)
 
 
 def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, float]], commits: list[float]

@@ -70,6 +70,31 @@ def test_chunks_wait_while_the_training_is_on_the_wire_unless_the_lag_bound_is_n
     assert clock.slept == 0.0 and s.links()["h"].overrides == 1
 
 
+def test_the_rate_cap_waits_first_so_a_chunk_never_runs_into_a_collective_meanwhile():
+    clock = FakeClock()
+    start = clock.now
+
+    def busy():  # the training is on the wire from 0.02 s to 0.1 s
+        return int(start + 0.02 <= clock.now < start + 0.1), [], []
+
+    s = scheduler(busy, clock, share=1.0, link_bytes_per_s=1e6)
+    s.before_chunk("h", 50_000)  # the empty bucket holds it 0.05 s, into the collective: it then waits it out
+    assert clock.now - start >= 0.1
+
+
+def test_paced_chunks_are_small_enough_to_fit_between_collectives():
+    assert Naive().chunk_bytes() == 1 << 20
+    assert scheduler(idle, FakeClock()).chunk_bytes() == 1 << 20  # nothing measured yet: the probe's size
+    assert scheduler(idle, FakeClock(), link_bytes_per_s=1e9).chunk_bytes() == 1 << 20  # fast link: the default
+    assert scheduler(idle, FakeClock(), link_bytes_per_s=100e6).chunk_bytes() == 256 << 10  # 300 KB in 3 ms
+    assert scheduler(idle, FakeClock(), link_bytes_per_s=6.25e6).chunk_bytes() == 32 << 10  # 50 Mbit/s: the floor
+    clock = FakeClock()
+    s = scheduler(idle, clock)
+    s.after_push("fast", 100_000_000, 1.0)
+    s.after_push("slow", 25_000_000, 1.0)
+    assert s.chunk_bytes() == 64 << 10  # the slowest holder's link decides: 75 KB -> 64 KiB
+
+
 def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
     clock = FakeClock()
     s = scheduler(idle, clock, share=0.5)
@@ -79,6 +104,9 @@ def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
     assert s.links()["h"].estimate == pytest.approx(10e6)
     s.after_push("h", 10_000_000, 0.5)  # faster now: the running estimate moves towards 20 MB/s
     assert 10e6 < s.links()["h"].estimate < 20e6
+    before = s.links()["h"].estimate
+    s.after_push("h", 10_000_000, 1.5, held=1.0)  # held a second by the pacing: 10 MB in the other 0.5 s
+    assert s.links()["h"].estimate > before
     assert Naive().links() == {} and Naive().before_chunk("h", 1) == 0.0
 
 
@@ -115,3 +143,23 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
     finally:
         worker.close()
         daemon.close()
+
+
+def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
+    """FSDP2 has no DDP hook: its all-gathers and reduce-scatters are marked through FSDPModule's custom
+    collectives, which must leave the training bit for bit as it was (real torchrun, 2 gloo ranks)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "procs" / "fsdp_marks.py"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["marked_modules"] == 3  # the root and both blocks
+        # per step: 3 all-gathers forward, 2 again backward (the root stays unsharded), 3 reduce-scatters
+        assert got["counts"] == [8, 16, 24] and got["inflight"] == 0
+        assert got["tensors"] > 100 and got["differ"] == []

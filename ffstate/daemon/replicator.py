@@ -42,7 +42,9 @@ class Pacer(Protocol):
 
     def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float: ...  # returns seconds held
 
-    def after_push(self, holder: str, nbytes: int, seconds: float) -> None: ...
+    def chunk_bytes(self) -> int: ...  # the segment size to encode the next version with
+
+    def after_push(self, holder: str, nbytes: int, seconds: float, held: float = 0.0) -> None: ...
 
     def links(self) -> dict: ...
 
@@ -196,7 +198,7 @@ class Replicator:
         for h in due:
             start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
             if start is None:
-                full = full or codec.encode_snapshot(shard.base)  # the base changes in place: encode it here
+                full = full or codec.encode_snapshot(shard.base, chunk_bytes=self.pacer.chunk_bytes())  # base changes in place
                 batch.append((h, [(shard.base_version, full)]))
             else:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
@@ -237,7 +239,7 @@ class Replicator:
             else:  # the worker does not checksum its commits (shm): the daemon does, here
                 checksum = codec.buffer_checksum(view.data)
                 snap = codec.Snapshot(shard.manifest.with_scalars(view.scalars), view.data, checksum)
-                packed = codec.encode_snapshot(snap, shard.base)
+                packed = codec.encode_snapshot(snap, shard.base, chunk_bytes=self.pacer.chunk_bytes())
             if not shard.slots.unchanged(view):
                 return False
             if packed is None:
@@ -285,7 +287,7 @@ class Replicator:
             return False
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
-        self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start - held[0])
+        self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start, held[0])
         holder.acked, holder.failures = version, 0
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes
