@@ -1,7 +1,7 @@
 """The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn.
 
-    torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero
-        [--modes off,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large]
+    torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2
+        [--modes off,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
 
 Modes (``MODES``): ``off`` (no ffstate); ``naive`` (razor on, sent as soon as captured);
 ``scheduler`` (razor on, paced into the training's idle windows); ``razor-off`` (the scheduler, every
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -37,17 +38,24 @@ MODES = {"naive": ("auto", "naive"), "scheduler": ("auto", "windows"), "razor-of
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parallel", choices=("ddp", "ddp-zero"), default="ddp")
+    p.add_argument("--parallel", choices=("ddp", "ddp-zero", "fsdp2"), default="ddp")
     p.add_argument("--modes", default="off,naive,scheduler,razor-off")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--batch", type=int, default=8)
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = DDP(TinyGPT(**SIZES[a.size]))
-    if a.parallel == "ddp":
+    if a.parallel == "fsdp2":  # each block and the root sharded: all-gathers from the forward's first layer on
+        model = TinyGPT(**SIZES[a.size])
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = DDP(TinyGPT(**SIZES[a.size]))
+    if a.parallel != "ddp-zero":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
@@ -56,7 +64,7 @@ def main() -> None:
 
     def train_step() -> None:
         g = torch.Generator().manual_seed(1_000_003 * next(counter) + rank)
-        idx = torch.randint(0, vocab, (8, seq + 1), generator=g)
+        idx = torch.randint(0, vocab, (a.batch, seq + 1), generator=g)
         logits = model(idx[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)

@@ -2,8 +2,9 @@
 and off, in one run, on loopback and on tc-shaped links.
 
 torchrun with 4 CPU ranks as 2 nodes (2 with ``--ranks-per-node 1``) trains TinyGPT under DDP
-(plain AdamW: model and optimizer state identical across the group) and under DDP with a
-ZeroRedundancyOptimizer. On ``loopback`` the nodes are simulated on one network; on a rate such
+(plain AdamW: model and optimizer state identical across the group), under DDP with a
+ZeroRedundancyOptimizer, and under FSDP2 (``fully_shard``: all-gathers from the forward's first
+layer on, so replication sent at a commit meets the next step's collectives at once). On ``loopback`` the nodes are simulated on one network; on a rate such
 as ``200mbit`` each node is a network namespace with its own torchrun agent and daemons, joined by
 a veth link shaped with ``tc``, so the training's gloo traffic and the replication cross the same
 slow link. In each job the modes run in
@@ -18,8 +19,9 @@ Reported per job and mode: the median step time (the slowest rank's) and its rat
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
 it replicates. Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
-Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero] [--modes off,naive,scheduler,razor-off]
-[--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small]``.
+Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2] [--modes off,naive,scheduler,razor-off]
+[--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small] [--batch 8] [--link-share 0.5]
+[--daemon-nice 19] [--measure-link] [--ranks-per-node 2]``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def _schedulers(modes: list[str]) -> list[str]:
 
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
-            link: "netns.Link | None" = None, per_node: int = 2) -> list[dict]:
+            link: "netns.Link | None" = None, per_node: int = 2, batch: int = 8, share: float = 0.5,
+            nice: int = 19, measure_link: bool = False) -> list[dict]:
     """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases;
     the daemons of each scheduler policy on their own ports. On loopback the nodes are simulated; on a
     link, each is a namespace."""
@@ -69,7 +72,10 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
         base = free_ports(NODES)
         ports[scheduler] = base
         for n in range(NODES):
-            flags = ["--node-id", f"node{n}", "--scheduler", scheduler, "--memory-limit", "4G"]
+            flags = ["--node-id", f"node{n}", "--scheduler", scheduler, "--memory-limit", "4G", "--link-share", str(share),
+                     "--nice", str(nice)]
+            if link is not None and not measure_link:  # the NIC's rate, as an operator would set it
+                flags += ["--link-bandwidth", str(int(netns.rate_bytes_per_s(link.rate)))]
             if link is None:
                 args = [*serve, "--port", str(base + n), *flags]
             else:
@@ -79,7 +85,7 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
            "FFSTATE_JOB_ID": f"overhead-{parallel}", "FFSTATE_BENCH_PORTS": ",".join(f"{k}:{v}" for k, v in ports.items()),
            "OMP_NUM_THREADS": "1", "TMPDIR": str(work)}
     worker = ["-m", "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes",
-              ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size]
+              ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size, "--batch", str(batch)]
     try:
         if link is None:
             env["FFSTATE_SIMULATED_NODES"] = str(NODES)
@@ -131,19 +137,23 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
 
 
 def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
-        out_dir: Path, per_node: int = 2) -> dict:
+        out_dir: Path, per_node: int = 2, batch: int = 8, share: float = 0.5, nice: int = 19,
+        measure_link: bool = False) -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
-                         "size": size, "ranks": NODES * per_node, "nodes": NODES, "replicas": 1, "links": links},
+                         "size": size, "batch": batch, "link_share": share, "daemon_nice": nice,
+                         "link_bandwidth": "measured" if measure_link else "given", "ranks": NODES * per_node,
+                         "nodes": NODES, "replicas": 1, "links": links},
               "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
         for where in links:
             for parallel in parallels:
+                opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link)
                 if where == "loopback":
-                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), per_node=per_node)
+                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), None, **opts)
                 else:
                     with netns.shaped_link(where) as link:
-                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link, per_node)
+                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link, **opts)
                 result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes)
     return publish(out_dir, "overhead", result, report, plot)
 
@@ -162,7 +172,9 @@ def report(result: dict) -> str:
                          if "replicated_bytes_per_rank" in row else "-",
                          f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-"])
     cfg = result["config"]
-    head = (f"TinyGPT-{cfg['size']}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, k={cfg['replicas']}; "
+    head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
+            f"k={cfg['replicas']}, link share {cfg.get('link_share', 0.5)}, link bandwidth "
+            f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
@@ -194,7 +206,8 @@ def plot(result: dict, path: Path) -> Path | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--parallel", default="ddp,ddp-zero", help="jobs to run: ddp, ddp-zero (default: both)")
+    p.add_argument("--parallel", default="ddp,ddp-zero",
+                   help="jobs to run: ddp, ddp-zero, fsdp2 (default: ddp,ddp-zero)")
     p.add_argument("--modes", default="off,naive,scheduler,razor-off",
                    help="off (no ffstate), naive (razor on, sent at once), scheduler (razor on, paced into idle "
                         "windows), razor-off (scheduler, whole states); default: all four")
@@ -203,6 +216,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="steps per phase; the first two are not timed (default 10)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved phases per mode (default 3)")
     p.add_argument("--size", choices=sorted(SIZES), default="small", help="TinyGPT size (default: small)")
+    p.add_argument("--batch", type=int, default=8,
+                   help="sequences per rank per step (default 8): more compute per byte of state")
+    p.add_argument("--link-share", type=float, default=0.5,
+                   help="share of the link the scheduler lets replication use (the daemons' --link-share; 0.5)")
+    p.add_argument("--daemon-nice", type=int, default=19, choices=range(0, 20), metavar="N",
+                   help="the daemons' CPU niceness (default 19: the training has the cores first, as on a GPU node "
+                        "where the daemon's work does not compete with the GPU's)")
+    p.add_argument("--measure-link", action="store_true",
+                   help="let the daemons measure a shaped link instead of telling them its rate")
     p.add_argument("--ranks-per-node", type=int, choices=(1, 2), default=2,
                    help="training ranks on each of the 2 nodes (default 2; 1 leaves a core per node for its daemon)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
@@ -214,11 +236,14 @@ def main(args: argparse.Namespace) -> int:
     parallels = [x for x in args.parallel.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     links = [x for x in args.link.split(",") if x]
-    if not set(parallels) <= {"ddp", "ddp-zero"} or not set(modes) <= {"off", *MODES} or args.steps < 4:
-        raise SystemExit(f"--parallel takes ddp and/or ddp-zero, --modes off and/or {sorted(MODES)}, --steps >= 4")
+    if not set(parallels) <= {"ddp", "ddp-zero", "fsdp2"} or not set(modes) <= {"off", *MODES} or args.steps < 4 \
+            or args.batch < 1 or not 0 < args.link_share <= 1:
+        raise SystemExit(f"--parallel takes ddp, ddp-zero and/or fsdp2, --modes off and/or {sorted(MODES)}, "
+                         "--steps >= 4, --batch >= 1, --link-share in (0, 1]")
     if any(x != "loopback" for x in links) and netns.unavailable():
         raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
-    run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node)
+    run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node, args.batch,
+        args.link_share, args.daemon_nice, args.measure_link)
     return 0
 
 

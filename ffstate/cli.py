@@ -44,6 +44,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("ffstate serve: --tls-cert and --tls-key go together")
+    if args.nice:
+        os.nice(args.nice)  # the training comes first where it needs every core (README: scheduling)
     cfg = ServeConfig(host=args.host, port=args.port, node_id=args.node_id or ServeConfig().node_id, peers=args.peer,
                       memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
@@ -157,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-bandwidth", type=parse_bytes, default=0, metavar="BYTES_PER_S",
                    help="the links' bandwidth, e.g. 25M (default: measured from the pushes)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--nice", type=int, default=0, choices=range(0, 20), metavar="N",
+                   help="lower the daemon's CPU priority by N (0-19), where the training uses every core (default 0)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")
