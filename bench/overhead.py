@@ -4,11 +4,11 @@ and off, in one run, on loopback and on tc-shaped links.
 torchrun with 4 CPU ranks as 2 nodes (2 with ``--ranks-per-node 1``) trains TinyGPT under DDP
 (plain AdamW: model and optimizer state identical across the group), under DDP with a
 ZeroRedundancyOptimizer, and under FSDP2 (``fully_shard``: all-gathers from the forward's first
-layer on, so replication sent at a commit meets the next step's collectives at once). On ``loopback`` the nodes are simulated on one network; on a rate such
-as ``200mbit`` each node is a network namespace with its own torchrun agent and daemons, joined by
-a veth link shaped with ``tc``, so the training's gloo traffic and the replication cross the same
-slow link. In each job the modes run in
-interleaved phases of the same training (``bench/_overhead_worker.py``):
+layer on, so replication sent at a commit meets the next step's collectives at once). On
+``loopback`` the nodes are simulated on one network; on a rate such as ``200mbit`` each node is a
+network namespace with its own torchrun agent and daemons, joined by a veth link shaped with
+``tc``, so the training's gloo traffic and the replication cross the same slow link. In each job
+the modes run in interleaved phases of the same training (``bench/_overhead_worker.py``):
 
 - ``off``: no ffstate;
 - ``naive``: ffstate, razor on, every version sent as soon as it is captured;
