@@ -125,9 +125,13 @@ def mark_fsdp_collectives(model: torch.nn.Module, marks) -> int:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
-        if len(groups) != 1 or type(groups[0]._all_gather_comm) is not DefaultAllGather \
-                or type(groups[0]._reduce_scatter_comm) is not DefaultReduceScatter:
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            mine = len(groups) == 1 and type(groups[0]._all_gather_comm) is DefaultAllGather \
+                and type(groups[0]._reduce_scatter_comm) is DefaultReduceScatter
+        except AttributeError:  # FSDP's internals moved in another torch: no marks rather than no training
+            return marked
+        if not mine:
             continue  # no parameters of its own, several meshes, or the user's own collectives
         module.set_custom_all_gather(MarkedAllGather())
         module.set_custom_reduce_scatter(MarkedReduceScatter())

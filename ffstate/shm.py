@@ -146,11 +146,10 @@ class CommMarks:
     def end(self, started: int) -> None:
         with self._lock:
             self._inflight -= 1
-            if self._mm is not None:
-                i = self._count % COMM_RING
-                struct.pack_into("<QQ", self._mm, COMM_OFFSET + 16 + 16 * i, started, time.time_ns())
+            i = self._count % COMM_RING
             self._count += 1
             if self._mm is not None:
+                struct.pack_into("<QQ", self._mm, COMM_OFFSET + 16 + 16 * i, started, time.time_ns())
                 struct.pack_into("<qQ", self._mm, COMM_OFFSET, self._inflight, self._count)
 
     @property

@@ -357,8 +357,9 @@ class Replicated:
             except (RuntimeError, ValueError) as e:
                 log.warning("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
         elif self.cfg.scheduler == "windows":  # FSDP2: its all-gathers and reduce-scatters
-            if capture.mark_fsdp_collectives(model, marks):
+            if n := capture.mark_fsdp_collectives(model, marks):
                 model._ffstate_marks = marks
+                log.info("rank %d: the scheduler sees the all-gathers and reduce-scatters of %d FSDP2 modules", rank, n)
         return marks
 
     def _generation(self) -> str:
