@@ -5,8 +5,9 @@ scheduler lets it go when
 
 - the training has no collective on the wire now (its workers mark each DDP gradient bucket's
   all-reduce, or FSDP2's all-gathers and reduce-scatters, start and end, in their slot headers:
-  ``shm.CommMarks``), and none is predicted before the chunk would be through (the last step's
-  collectives, at the same offsets from the step's commit, are taken as the next step's), and
+  ``shm.CommMarks``), and none is predicted before the chunk would be through, with a guard before
+  it (the prediction: ``predicted_intervals``; the guard: how early collectives came against the
+  prediction lately), and
 - a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth,
   trickling, never in bursts (queued bytes would delay the next collective).
 
@@ -17,10 +18,16 @@ few milliseconds on the slowest link, so that they fit between collectives. When
 ``deadline`` versions behind, the scheduler stops waiting for windows (replication must stay
 within the lag, DESIGN.md I4), keeping only the rate cap, and counts and logs it. ``Naive`` sends
 as soon as a version is captured, for comparison.
+
+Both count what they did to the training (``Timeline``): each collective the workers marked, and
+those that started while a chunk was, by the link's rate, still on the wire (a **collision**: the
+collective waited behind it). That count, not a step time on a noisy machine, says whether the
+pacing works.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -28,6 +35,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ffstate.config import Config
+
+# The training's collectives, as the workers mark them: (in flight now, recent (start, end) times, commit times).
+Busy = Callable[[], "tuple[int, list[tuple[float, float]], list[float]]"]
 
 log = logging.getLogger("ffstate.scheduler")
 
@@ -39,7 +49,10 @@ MIN_CHUNK = 32 << 10  # below this the per-chunk costs (a gRPC message, a segmen
 # trickle at its rate, never release a backlog in one burst (with a 50 ms bucket the scheduler cost an FSDP2
 # job across 100 Mbit/s what naive sending did: 1.22x against 1.24x a step).
 BURST_SECONDS = 0.005
-GUARD = 0.002  # seconds kept clear before a predicted collective (the prediction is a step old)
+# Seconds kept clear before a predicted collective: the 90th percentile of how early the recent collectives
+# came against their prediction, within these bounds.
+GUARD, MAX_GUARD = 0.002, 0.02
+GUARD_QUANTILE = 0.9
 POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
 
 
@@ -53,24 +66,114 @@ class LinkState:
     waited: float = 0.0  # seconds chunks to this holder were held for windows and the rate cap
     overrides: int = 0  # chunks sent past the windows because replication neared its lag bound
     sent_bytes: int = 0
+    collisions: int = 0  # the training's collectives that started while a chunk to this holder was on the wire
+    wire_until: float = 0.0  # wall time the chunks released to this holder are through the link, by its rate
+
+
+class Timeline:
+    """What the pacing did to the training, from the workers' marks: the collectives seen, those that met a
+    chunk on the wire, and how early collectives came against the prediction (the scheduler's guard).
+
+    A chunk is taken to be on the wire from its release (or the end of the chunk before it to the same
+    holder) for ``nbytes / estimate`` seconds. Marks are read when a chunk is released and when the
+    figures are asked for; the workers' ring holds the last 48 collectives, so a long idle spell
+    between versions can let some go uncounted (never a collision: no chunk was on the wire).
+    """
+
+    def __init__(self, busy: Busy | None):
+        self.busy = busy
+        self.collectives = 0
+        self.collisions = 0
+        self.early: collections.deque[float] = collections.deque(maxlen=64)  # seconds, of recent collectives
+        self._seen = 0.0  # start of the newest collective counted
+        self._chunks: collections.deque[tuple[float, float, LinkState]] = collections.deque(maxlen=512)
+        self._lock = threading.Lock()
+
+    def chunk(self, link: LinkState, nbytes: int, now: float) -> None:
+        """A chunk of ``nbytes`` to ``link``'s holder was released at wall time ``now``."""
+        if not link.estimate:
+            return
+        with self._lock:
+            start = max(now, link.wire_until)
+            link.wire_until = start + nbytes / link.estimate
+            self._chunks.append((start, link.wire_until, link))
+
+    def observe(self, marks: "tuple[int, list[tuple[float, float]], list[float]] | None" = None) -> None:
+        """Counts the collectives marked since the last look (``marks``: a ``busy()`` just read, or None to read)."""
+        if marks is None:
+            if self.busy is None:
+                return
+            marks = self.busy()
+        _, intervals, commits = marks
+        merged = merge_intervals(intervals)
+        with self._lock:
+            for i, (s, e) in enumerate(merged):
+                if s <= self._seen:
+                    continue
+                self._seen = s
+                self.collectives += 1
+                hit = next((link for a, b, link in self._chunks if a <= s < b), None)
+                if hit is not None:
+                    self.collisions += 1
+                    hit.collisions += 1
+                if commits and s >= commits[-1]:  # in the step in progress: how early did it come?
+                    before = predicted_intervals(merged[:i], commits)
+                    near = min(before, key=lambda p: abs(p[0] - s), default=None)
+                    if near is not None and abs(near[0] - s) < MAX_GUARD * 5:
+                        self.early.append(max(near[0] - s, 0.0))
+
+    def guard(self) -> float:
+        """Seconds to keep clear before a predicted collective."""
+        with self._lock:
+            if len(self.early) < 8:
+                return GUARD
+            ranked = sorted(self.early)
+        return min(max(ranked[int(GUARD_QUANTILE * (len(ranked) - 1))], GUARD), MAX_GUARD)
 
 
 class Naive:
-    """Sends as soon as a snapshot is captured (the comparison the scheduler is measured against)."""
+    """Sends as soon as a snapshot is captured (the comparison the scheduler is measured against).
+
+    It paces nothing, but keeps the same figures: a link estimate per holder (its pushes are not
+    paced, so their rate is the link's) and, given the workers' marks (``busy``), the collisions.
+    """
 
     name = "naive"
+
+    def __init__(self, busy: Busy | None = None, link_bytes_per_s: float = 0.0,
+                 wall: Callable[[], float] = time.time):
+        self.link_bytes_per_s, self.wall = link_bytes_per_s, wall
+        self.timeline = Timeline(busy)
+        self._links: dict[str, LinkState] = {}
+        self._lock = threading.Lock()
 
     def chunk_bytes(self) -> int:
         return Config.chunk_bytes
 
+    def _link(self, holder: str) -> LinkState:
+        with self._lock:
+            if holder not in self._links:
+                self._links[holder] = LinkState(estimate=self.link_bytes_per_s)
+            return self._links[holder]
+
     def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
+        link = self._link(holder)
+        self.timeline.observe()
+        self.timeline.chunk(link, nbytes, self.wall())
+        with self._lock:
+            link.sent_bytes += nbytes
         return 0.0
 
     def after_push(self, holder: str, nbytes: int, seconds: float, held: float = 0.0) -> None:
-        return None
+        link = self._link(holder)
+        if not self.link_bytes_per_s:
+            measured = nbytes / max(seconds, 1e-3)
+            link.estimate = measured if not link.estimate else (1 - EWMA) * link.estimate + EWMA * measured
 
     def links(self) -> dict[str, LinkState]:
-        return {}
+        self.timeline.observe()
+        with self._lock:
+            return dict(self._links)
 
 
 class Scheduler:
@@ -88,17 +191,19 @@ class Scheduler:
 
     name = "windows"
 
-    def __init__(self, busy: Callable[[], tuple[int, list[tuple[float, float]], list[float]]], share: float = 0.5,
+    def __init__(self, busy: Busy, share: float = 0.5,
                  link_bytes_per_s: float = 0.0, deadline: int = 3, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.busy, self.share, self.link_bytes_per_s, self.deadline = busy, share, link_bytes_per_s, max(1, deadline)
         self.clock, self.wall, self.sleep = clock, wall, sleep
+        self.timeline = Timeline(busy)
         self._links: dict[str, LinkState] = {}
         self._lock = threading.Lock()
 
     def links(self) -> dict[str, LinkState]:
+        self.timeline.observe()
         with self._lock:
             return dict(self._links)
 
@@ -138,6 +243,9 @@ class Scheduler:
         self._take_tokens(link, nbytes, rate)
         if behind < self.deadline:  # the window last: the rate cap's wait must not carry a chunk into a collective
             self._wait_for_window(nbytes / max(link.estimate, 1.0))
+        else:
+            self.timeline.observe()
+        self.timeline.chunk(link, nbytes, self.wall())
         waited = self.clock() - start
         with self._lock:
             link.waited += waited
@@ -147,10 +255,13 @@ class Scheduler:
     def _wait_for_window(self, seconds: float) -> None:
         """Returns once nothing of the training is on the wire or predicted to be within ``seconds``."""
         give_up = self.clock() + 2.0  # a stale or wrong prediction must not stall replication
+        guard = self.timeline.guard()
         while self.clock() < give_up:
-            inflight, intervals, commits = self.busy()
+            marks = self.busy()
+            self.timeline.observe(marks)
+            inflight, intervals, commits = marks
             now = self.wall()
-            until = predicted_busy_until(now, now + seconds + GUARD, intervals, commits)
+            until = predicted_busy_until(now, now + seconds + guard, intervals, commits)
             if not inflight and until is None:
                 return
             # on the wire now: until its predicted end, else a poll; predicted: until it is over
@@ -187,23 +298,48 @@ class Scheduler:
             link.estimate = (1 - EWMA) * link.estimate + EWMA * nbytes / max(seconds - held, 1e-3)
 
 
-def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, float]], commits: list[float]
-                         ) -> float | None:
-    """When the training's predicted communication that overlaps [start, end) ends (None: it does not).
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of the intervals, in order: the ranks of one node mark the same collective each."""
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
 
-    The last complete step's collectives (the intervals between the two newest commits), at the same
-    offsets after the newest commit, are the prediction for the step in progress.
+
+def predicted_intervals(intervals: list[tuple[float, float]], commits: list[float]) -> list[tuple[float, float]]:
+    """The training's collectives predicted for the rest of the step in progress and the next step.
+
+    The last complete step's collectives (between the two newest commits) are the template. Those
+    of the step in progress come at the template's offsets from the newest commit, shifted by how
+    late or early the newest collective seen in this step came against its place in the template
+    (the step's drift so far: steps vary by tens of milliseconds, a collective's gap from the one
+    before it much less). The next step repeats the template one step length on, with that shift.
     """
     if len(commits) < 2:
-        return None
+        return []
     prev, last = commits[-2], commits[-1]
     period = last - prev
     if period <= 0:
-        return None
-    for s, e in intervals:
-        if prev <= s < last:
-            for base in (last, last + period):  # this step, and the next one for a long chunk
-                ps, pe = base + (s - prev), base + (e - prev)
-                if ps < end and pe > start:
-                    return pe
+        return []
+    merged = merge_intervals(intervals)
+    template = [(s - prev, e - prev) for s, e in merged if prev <= s < last]
+    seen = [s - last for s, _ in merged if s >= last]
+    rest, shift = template, 0.0
+    if seen and template:
+        j = min(range(len(template)), key=lambda i: abs(template[i][0] - seen[-1]))
+        if abs(template[j][0] - seen[-1]) < period / 2:
+            rest, shift = template[j + 1 :], seen[-1] - template[j][0]
+    base = last + shift
+    return [(base + s, base + e) for s, e in rest] + [(base + period + s, base + period + e) for s, e in template]
+
+
+def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, float]], commits: list[float]
+                         ) -> float | None:
+    """When the training's predicted communication that overlaps [start, end) ends (None: it does not)."""
+    for ps, pe in predicted_intervals(intervals, commits):
+        if ps < end and pe > start:
+            return pe
     return None

@@ -18,6 +18,7 @@ from daemons import TOKEN, held_version, make_tls, wait_until
 from ffstate import codec, layout, recovery, shm
 from ffstate.client import Client, Tls, fetch_striped
 from ffstate.errors import ReplicaError, ReplicaUnavailable
+from ffstate.scheduler import GUARD
 from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(180)
@@ -234,15 +235,20 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     run_writer(a, "j10", 4, tmp_path, "--wait-replicated")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     metric = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("ffstate_") and 'job="j10"' in line or line.startswith("ffstate_link")}
+              if line.startswith("ffstate_") and 'job="j10"' in line or line.startswith(("ffstate_link", "ffstate_scheduler"))}
     sent = next(v for k, v in metric.items() if k.startswith("ffstate_replicated_bytes_total"))
     assert sent > 1_000_000  # a full version and three deltas of a TinyGPT state
     assert next(v for k, v in metric.items() if k.startswith("ffstate_replicated_versions_total")) == 4
     assert next(v for k, v in metric.items() if k.startswith("ffstate_lag_versions")) == 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_estimate_bytes_per_second")) > 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_share")) == 0.8
+    # The writer marks no collectives: nothing seen, nothing met, the guard at its floor.
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_collisions_total")) == 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_collectives_total")) == 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_guard_seconds")) == GUARD
     inv = a.client().inventory("j10")
     assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
+    assert (inv.collectives, inv.collisions, inv.links[0].collisions, inv.guard_seconds) == (0, 0, 0, GUARD)
     assert inv.shards[0].pushed_versions == 4 and inv.shards[0].pushed_bytes == sent
 
 

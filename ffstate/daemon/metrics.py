@@ -70,12 +70,25 @@ class DaemonCollector(Collector):
         overrides = CounterMetricFamily("ffstate_scheduler_deadline_overrides",
                                         "Chunks sent past the training's windows to stay within the lag",
                                         labels=["node", "holder"])
+        collisions = CounterMetricFamily("ffstate_scheduler_collisions",
+                                         "The training's collectives that started while a chunk to the holder was on "
+                                         "the wire", labels=["node", "holder"])
         for holder, link in pacer.links().items():
             estimate.add_metric([node, holder], link.estimate)
             waited.add_metric([node, holder], link.waited)
             overrides.add_metric([node, holder], link.overrides)
+            collisions.add_metric([node, holder], link.collisions)
         share.add_metric([node], getattr(pacer, "share", 1.0))
-        yield from (estimate, share, waited, overrides)
+        yield from (estimate, share, waited, overrides, collisions)
+        timeline = getattr(pacer, "timeline", None)
+        if timeline is not None:
+            seen = CounterMetricFamily("ffstate_scheduler_collectives", "The training's collectives the scheduler saw "
+                                       "marked by this node's workers", labels=["node"])
+            seen.add_metric([node], timeline.collectives)
+            guard = GaugeMetricFamily("ffstate_scheduler_guard_seconds", "Clearance kept before a predicted collective",
+                                      labels=["node"])
+            guard.add_metric([node], timeline.guard())
+            yield from (seen, guard)
 
         held = GaugeMetricFamily("ffstate_replica_bytes", "Memory of the replicas this daemon holds", labels=shard)
         version = GaugeMetricFamily("ffstate_replica_version", "Newest version of a held replica", labels=shard)

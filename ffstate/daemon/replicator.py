@@ -46,7 +46,9 @@ class Pacer(Protocol):
 
     def after_push(self, holder: str, nbytes: int, seconds: float, held: float = 0.0) -> None: ...
 
-    def links(self) -> dict: ...
+    def links(self) -> dict: ...  # holder -> scheduler.LinkState
+
+    # and a ``timeline`` (``scheduler.Timeline``) where it sees the training's collectives
 
 
 @dataclass

@@ -126,8 +126,8 @@ class Daemon(pb_grpc.ReplicaServicer):
 
     def _pacer(self) -> Pacer:
         cfg = self.cfg
-        if cfg.scheduler == "naive":
-            return Naive()
+        if cfg.scheduler == "naive":  # paces nothing; counts the collisions all the same
+            return Naive(self._comm_marks, cfg.link_bandwidth)
         if cfg.scheduler != "windows":
             raise FFStateError(f"scheduler must be windows or naive, got {cfg.scheduler!r}")
         # Past keep_deltas - 1 versions behind, a sender must not wait for windows: the worker's lag bound is near.
@@ -328,9 +328,12 @@ class Daemon(pb_grpc.ReplicaServicer):
             pacer = self.replicator.pacer
             links = [pb.LinkInfo(holder=h, estimate_bytes_per_second=link.estimate, share=getattr(pacer, "share", 1.0),
                                  waited_seconds=link.waited, deadline_overrides=link.overrides,
-                                 scheduler=pacer.name) for h, link in pacer.links().items()]
+                                 scheduler=pacer.name, collisions=link.collisions) for h, link in pacer.links().items()]
+            timeline = getattr(pacer, "timeline", None)
+            seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
+                                                "guard_seconds": timeline.guard()}
             return pb.InventoryResponse(node_id=self.cfg.node_id, shards=shards, bytes_used=self.store.used,
-                                        bytes_budget=self.store.budget, links=links, scheduler=pacer.name)
+                                        bytes_budget=self.store.budget, links=links, scheduler=pacer.name, **seen)
 
         return self._guard(context, run)
 
