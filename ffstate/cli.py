@@ -39,13 +39,28 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=Path, help="CA that signed the other daemons' certificates (to push to them)")
 
 
+def nice_level(text: str) -> int | str:
+    """``--nice``: a niceness 0-19, or ``idle`` (the SCHED_IDLE policy)."""
+    if text == "idle":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a niceness 0-19 nor 'idle'")
+    return n
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from ffstate.daemon.server import ServeConfig, serve
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("ffstate serve: --tls-cert and --tls-key go together")
-    if args.nice:
-        os.nice(args.nice)  # the training comes first where it needs every core (README: scheduling)
+    if args.nice == "idle":  # before any thread starts: they inherit it (README: scheduling)
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif args.nice:
+        os.nice(args.nice)  # the training comes first where it needs every core
     cfg = ServeConfig(host=args.host, port=args.port, node_id=args.node_id or ServeConfig().node_id, peers=args.peer,
                       memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
                       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
@@ -115,14 +130,20 @@ def cmd_status(args: argparse.Namespace) -> int:
     if razor.row_count:
         console.print(razor)
     links = Table(title="replication links (scheduler)")
-    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides"):
+    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
+                "collisions"):
         links.add_column(col, justify="left" if col in ("daemon", "scheduler", "holder") else "right")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         for link in inv.links:
             links.add_row(address, link.scheduler, link.holder, f"{link.estimate_bytes_per_second / 1e6:.1f}",
-                          f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.deadline_overrides))
+                          f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.deadline_overrides),
+                          str(link.collisions))
     if links.row_count:
         console.print(links)
+    for address, inv, *_ in {r[0]: r for r in rows}.values():
+        if inv.collectives:
+            print(f"{address} ({inv.scheduler}): {inv.collisions} of {inv.collectives} collectives started with a "
+                  f"replication chunk on the wire; guard {inv.guard_seconds * 1e3:.1f} ms")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
     return 1 if failed else 0
@@ -159,8 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-bandwidth", type=parse_bytes, default=0, metavar="BYTES_PER_S",
                    help="the links' bandwidth, e.g. 25M (default: measured from the pushes)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--nice", type=int, default=0, choices=range(0, 20), metavar="N",
-                   help="lower the daemon's CPU priority by N (0-19), where the training uses every core (default 0)")
+    p.add_argument("--nice", type=nice_level, default=0, metavar="N|idle",
+                   help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
+                        "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "
+                        "default 0)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")
