@@ -9,7 +9,8 @@ rank's whole state replicated). The daemons of each scheduler policy listen on t
 ``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``). Each phase is a fresh ffstate job on the same
 model, so its first commit sends a full version; step times are taken from the third step on, and
 the bytes on the wire per step are the daemon's counters between the second and the last commit
-(deltas only). Every rank writes ``DIR/overhead-rank<R>.json``.
+(deltas only), as are the training's collectives the node's daemon saw and those that met a chunk.
+Every rank writes ``DIR/overhead-rank<R>.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ def main() -> None:
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--batch", type=int, default=8)
     a = p.parse_args()
+    if os.environ.get("FFSTATE_BENCH_CPUS"):  # before gloo's threads start: they inherit it
+        from ffstate.bench.overhead import cpu_list
+
+        os.sched_setaffinity(0, cpu_list(os.environ["FFSTATE_BENCH_CPUS"]))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -73,7 +78,9 @@ def main() -> None:
 
     modes = a.modes.split(",")
     results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
-                                    "drain_seconds": []} for m in modes}
+                                    "drain_seconds": [], "collectives": 0, "collisions": 0, "commit_seconds": [],
+                                    "steps_run": 0}
+               for m in modes}
     for r in range(a.repeats):
         for mode in modes:
             res = results[mode]
@@ -89,13 +96,16 @@ def main() -> None:
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
             cfg = ffstate.Config.from_env(razor=razor, start_daemon=False, base_port=int(ports[scheduler]),
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
+            res["steps_run"] += a.steps
             with ffstate.replicate(model, opt, config=cfg) as ff:
                 for i in range(a.steps):
                     start = time.perf_counter()
                     train_step()
+                    trained = time.perf_counter()
                     ff.commit(i + 1)
                     if i >= FIRST_TIMED:
                         res["step_seconds"].append(time.perf_counter() - start)
+                        res["commit_seconds"].append(time.perf_counter() - trained)
                     if i == 1:
                         before = ff.stats(wait=60)
                 # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),
@@ -107,8 +117,11 @@ def main() -> None:
                 res["drain_seconds"].append(time.perf_counter() - start)
             res["wire_bytes"] += after["pushed_bytes"] - before["pushed_bytes"]
             res["wire_versions"] += after["pushed_versions"] - before["pushed_versions"]
+            for k in ("collectives", "collisions"):  # the node's daemon's counts: the same for each rank of a node
+                res[k] += after[k] - before[k]
             res["state_bytes"], res["shard_bytes"] = after.get("state_bytes", 0), after.get("shard_bytes", 0)
     (a.out / f"overhead-rank{rank}.json").write_text(json.dumps({"rank": rank, "parallel": a.parallel,
+                                                                 "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                                                                  "results": results}))
     dist.barrier()
     dist.destroy_process_group()

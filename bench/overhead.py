@@ -17,11 +17,13 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``; the
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
-it replicates. Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
+it replicates; and the training's collectives that started while a replication chunk was on the wire
+(counted by the daemons from the workers' marks: what the pacing is for, without a noisy step time).
+Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
 Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2] [--modes off,naive,scheduler,razor-off]
 [--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small] [--batch 8] [--link-share 0.5]
-[--daemon-nice 19] [--measure-link] [--ranks-per-node 2]``.
+[--daemon-nice 19|idle] [--measure-link] [--ranks-per-node 2] [--pin 0:1]``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,6 +43,7 @@ from pathlib import Path
 from ffstate.bench import netns
 from ffstate.bench._report import environment, free_ports, publish, pyplot, table
 from ffstate.bench.codec import SIZES
+from ffstate.cli import nice_level
 
 log = logging.getLogger("ffstate.bench.overhead")
 NODES = 2
@@ -58,7 +62,7 @@ def _schedulers(modes: list[str]) -> list[str]:
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
             link: "netns.Link | None" = None, per_node: int = 2, batch: int = 8, share: float = 0.5,
-            nice: int = 19, measure_link: bool = False) -> list[dict]:
+            nice: int | str = 19, measure_link: bool = False, pin: tuple[str, str] | None = None) -> list[dict]:
     """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases;
     the daemons of each scheduler policy on their own ports. On loopback the nodes are simulated; on a
     link, each is a namespace."""
@@ -76,14 +80,15 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
                      "--nice", str(nice)]
             if link is not None and not measure_link:  # the NIC's rate, as an operator would set it
                 flags += ["--link-bandwidth", str(int(netns.rate_bytes_per_s(link.rate)))]
+            pinned = ["taskset", "-c", pin[1], *serve] if pin else serve
             if link is None:
-                args = [*serve, "--port", str(base + n), *flags]
+                args = [*pinned, "--port", str(base + n), *flags]
             else:
-                args = link.cmd(n, [*serve, "--host", link.addresses[n], "--port", str(base), *flags])
-            daemons.append(_serve(args, token, work / f"daemon-{tag}-{scheduler}-{n}.log"))
+                args = link.cmd(n, [*pinned, "--host", link.addresses[n], "--port", str(base), *flags])
+            daemons.append((scheduler, _serve(args, token, work / f"daemon-{tag}-{scheduler}-{n}.log")))
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_TOKEN": token,
            "FFSTATE_JOB_ID": f"overhead-{parallel}", "FFSTATE_BENCH_PORTS": ",".join(f"{k}:{v}" for k, v in ports.items()),
-           "OMP_NUM_THREADS": "1", "TMPDIR": str(work)}
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(work), **({"FFSTATE_BENCH_CPUS": pin[0]} if pin else {})}
     worker = ["-m", "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes",
               ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size, "--batch", str(batch)]
     try:
@@ -102,18 +107,43 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
         if failed:
             tail = "".join("".join(text.splitlines(keepends=True)[-20:]) for text in logs)
             raise SystemExit(f"the {tag} job failed (exit {failed}):\n{tail}")
+        cpu = {scheduler: 0.0 for scheduler in ports}  # the daemons' CPU seconds over the job, per policy
+        for scheduler, d in daemons:
+            cpu[scheduler] += _cpu_seconds(d.pid)
     finally:
-        for d in daemons:
+        for _, d in daemons:
             d.terminate()
-        for d in daemons:
+        for _, d in daemons:
             try:
                 d.wait(30)
             except subprocess.TimeoutExpired:
                 d.kill()
-    return [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(NODES * per_node)]
+    ranks = [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(NODES * per_node)]
+    for r in ranks:
+        r["daemon_cpu_seconds"] = cpu
+    return ranks
+
+
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a taskset-style list ("0", "0-3,6"); empty if it is not one."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            return set()
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
+    from ffstate.bench._overhead_worker import MODES
+
     out = {}
     for mode in modes:
         per_rank = [r["results"][mode] for r in ranks]
@@ -124,12 +154,24 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
             row["wire_bytes_per_step_per_rank"] = statistics.median(
                 p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"])
             row["replicated_bytes_per_rank"] = statistics.median(p["shard_bytes"] for p in per_rank)
+            if all(p.get("commit_seconds") for p in per_rank):  # the part of the step ffstate holds the loop
+                row["commit_seconds"] = statistics.median(max(cs) for cs in zip(*(p["commit_seconds"] for p in per_rank)))
             row["state_bytes_per_rank"] = statistics.median(p["state_bytes"] for p in per_rank)
             # The slowest rank's lag when a phase's last step was committed, median over phases.
             if all(p.get("lag_at_end") for p in per_rank):
                 row["lag_at_end"] = statistics.median(max(ls) for ls in zip(*(p["lag_at_end"] for p in per_rank)))
                 row["drain_seconds"] = statistics.median(
                     max(ds) for ds in zip(*(p["drain_seconds"] for p in per_rank)))
+            # Counted by each node's daemon: one rank per node (its local rank 0) reports it.
+            leaders = [r["results"][mode] for r in ranks if r.get("local_rank", 0) == 0]
+            row["collectives"] = sum(p.get("collectives", 0) for p in leaders)
+            row["collisions"] = sum(p.get("collisions", 0) for p in leaders)
+            # Both nodes' daemons of this mode's policy, per step the job ran with them (razor-off shares the
+            # scheduler's daemons: their CPU is split by steps).
+            policy = MODES[mode][1]
+            steps = sum(ranks[0]["results"][m].get("steps_run", 0) for m in modes if m != "off" and MODES[m][1] == policy)
+            if "daemon_cpu_seconds" in ranks[0] and steps:
+                row["daemon_cpu_seconds_per_step"] = ranks[0]["daemon_cpu_seconds"][policy] / steps
         out[mode] = row
     for row in out.values():
         row["step_ratio"] = row["step_seconds"] / out["off"]["step_seconds"] if "off" in out else None
@@ -137,18 +179,19 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
 
 
 def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
-        out_dir: Path, per_node: int = 2, batch: int = 8, share: float = 0.5, nice: int = 19,
-        measure_link: bool = False) -> dict:
+        out_dir: Path, per_node: int = 2, batch: int = 8, share: float = 0.5, nice: int | str = 19,
+        measure_link: bool = False, pin: tuple[str, str] | None = None) -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
                          "size": size, "batch": batch, "link_share": share, "daemon_nice": nice,
                          "link_bandwidth": "measured" if measure_link else "given", "ranks": NODES * per_node,
+                         "pin": ":".join(pin) if pin else None,
                          "nodes": NODES, "replicas": 1, "links": links},
               "jobs": {}}
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
         for where in links:
             for parallel in parallels:
-                opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link)
+                opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin)
                 if where == "loopback":
                     ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), None, **opts)
                 else:
@@ -166,19 +209,24 @@ def report(result: dict) -> str:
             wire = row.get("wire_bytes_per_step_per_rank")
             rows.append([parallel, mode, f"{row['step_seconds'] * 1e3:.0f}",
                          f"{row['step_ratio']:.3f}" if row.get("step_ratio") else "-",
+                         f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-",
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
                          f"{row['replicated_bytes_per_rank'] / 1e6:.2f} of {row['state_bytes_per_rank'] / 1e6:.2f}"
                          if "replicated_bytes_per_rank" in row else "-",
-                         f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-"])
+                         f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-",
+                         f"{row['collisions']} of {row['collectives']}" if row.get("collectives") else "-",
+                         f"{row['daemon_cpu_seconds_per_step'] * 1e3:.0f}" if "daemon_cpu_seconds_per_step" in row else "-"])
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
             f"k={cfg['replicas']}, link share {cfg.get('link_share', 0.5)}, link bandwidth "
-            f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}; "
+            f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}"
+            f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
-    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "wire MB/step/rank",
+    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "commit ms", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
-                                             "lag at end steps / drain ms"])])
+                                             "lag at end steps / drain ms", "collectives met a chunk",
+                                             "daemon CPU ms/step"])])
 
 
 def plot(result: dict, path: Path) -> Path | None:
@@ -220,13 +268,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per rank per step (default 8): more compute per byte of state")
     p.add_argument("--link-share", type=float, default=0.5,
                    help="share of the link the scheduler lets replication use (the daemons' --link-share; 0.5)")
-    p.add_argument("--daemon-nice", type=int, default=19, choices=range(0, 20), metavar="N",
-                   help="the daemons' CPU niceness (default 19: the training has the cores first, as on a GPU node "
-                        "where the daemon's work does not compete with the GPU's)")
+    p.add_argument("--daemon-nice", type=nice_level, default=19, metavar="N|idle",
+                   help="the daemons' --nice (default 19: the training has the cores first, as on a GPU node "
+                        "where the daemon's work does not compete with the GPU's; idle: SCHED_IDLE)")
     p.add_argument("--measure-link", action="store_true",
                    help="let the daemons measure a shaped link instead of telling them its rate")
     p.add_argument("--ranks-per-node", type=int, choices=(1, 2), default=2,
                    help="training ranks on each of the 2 nodes (default 2; 1 leaves a core per node for its daemon)")
+    p.add_argument("--pin", metavar="TRAIN:DAEMONS",
+                   help="CPU lists (taskset's syntax) for the training ranks and for the daemons, e.g. 0:1: the daemons "
+                        "get cores of their own, as on a GPU node, and what is left is the network's share")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
@@ -242,8 +293,15 @@ def main(args: argparse.Namespace) -> int:
                          "--steps >= 4, --batch >= 1, --link-share in (0, 1]")
     if any(x != "loopback" for x in links) and netns.unavailable():
         raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
+    pin = None
+    if args.pin:
+        pin = tuple(args.pin.split(":"))
+        if len(pin) != 2 or not all(cpu_list(c) for c in pin):
+            raise SystemExit(f"--pin takes TRAIN:DAEMONS, two CPU lists such as 0:1 or 0-5:6,7; got {args.pin!r}")
+        if shutil.which("taskset") is None:
+            raise SystemExit("--pin needs taskset (util-linux) to pin the daemons")
     run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node, args.batch,
-        args.link_share, args.daemon_nice, args.measure_link)
+        args.link_share, args.daemon_nice, args.measure_link, pin)
     return 0
 
 
