@@ -131,19 +131,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(razor)
     links = Table(title="replication links (scheduler)")
     for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
-                "collisions"):
+                "collisions", "overlap s"):
         links.add_column(col, justify="left" if col in ("daemon", "scheduler", "holder") else "right")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         for link in inv.links:
             links.add_row(address, link.scheduler, link.holder, f"{link.estimate_bytes_per_second / 1e6:.1f}",
                           f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.deadline_overrides),
-                          str(link.collisions))
+                          str(link.collisions), f"{link.overlap_seconds:.2f}")
     if links.row_count:
         console.print(links)
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         if inv.collectives:
             print(f"{address} ({inv.scheduler}): {inv.collisions} of {inv.collectives} collectives started with a "
-                  f"replication chunk on the wire; guard {inv.guard_seconds * 1e3:.1f} ms")
+                  f"replication chunk on the wire; replication shared the link with them {inv.overlap_seconds:.2f} s")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
     return 1 if failed else 0

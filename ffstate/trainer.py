@@ -201,15 +201,16 @@ class Replicated:
         ``pushed_versions`` (on the wire, counted per holder), ``state_bytes`` (the whole state),
         ``shard_bytes`` (what this rank replicates: with the razor, its own entries and its part),
         ``razor_group``, ``razor_verifications``, ``razor_mismatches``; and, for the whole node (its
-        daemon's scheduler), ``collectives`` (the training's collectives it saw marked) and ``collisions``
-        (those that started while a replication chunk was on the wire).
+        daemon's scheduler), ``collectives`` (the training's collectives it saw marked), ``collisions``
+        (those that started while a replication chunk was on the wire) and ``overlap_seconds`` (how long
+        replication shared the link with them).
         """
         if wait:
             self._wait_replicated(wait)
         resp = self.daemon.inventory(self.job)
         mine = [s for s in resp.shards if s.local and s.shard.rank == self.rank and s.shard.world_size == self.world]
         out = {"version": self._last, "replicated_version": 0, "pushed_bytes": 0, "pushed_versions": 0,
-               "collectives": resp.collectives, "collisions": resp.collisions}
+               "collectives": resp.collectives, "collisions": resp.collisions, "overlap_seconds": resp.overlap_seconds}
         if mine:
             s = mine[0]
             out.update(replicated_version=s.replicated_version, pushed_bytes=s.pushed_bytes,

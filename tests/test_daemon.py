@@ -18,7 +18,6 @@ from daemons import TOKEN, held_version, make_tls, wait_until
 from ffstate import codec, layout, recovery, shm
 from ffstate.client import Client, Tls, fetch_striped
 from ffstate.errors import ReplicaError, ReplicaUnavailable
-from ffstate.scheduler import GUARD
 from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(180)
@@ -242,13 +241,12 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     assert next(v for k, v in metric.items() if k.startswith("ffstate_lag_versions")) == 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_estimate_bytes_per_second")) > 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_share")) == 0.8
-    # The writer marks no collectives: nothing seen, nothing met, the guard at its floor.
-    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_collisions_total")) == 0
-    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_collectives_total")) == 0
-    assert next(v for k, v in metric.items() if k.startswith("ffstate_scheduler_guard_seconds")) == GUARD
+    # The writer marks no collectives: nothing seen, nothing met.
+    for name in ("collisions", "collectives", "overlap_seconds"):
+        assert next(v for k, v in metric.items() if k.startswith(f"ffstate_scheduler_{name}_total")) == 0
     inv = a.client().inventory("j10")
     assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
-    assert (inv.collectives, inv.collisions, inv.links[0].collisions, inv.guard_seconds) == (0, 0, 0, GUARD)
+    assert (inv.collectives, inv.collisions, inv.overlap_seconds, inv.links[0].collisions) == (0, 0, 0, 0)
     assert inv.shards[0].pushed_versions == 4 and inv.shards[0].pushed_bytes == sent
 
 

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from ffstate import layout, shm
-from ffstate.scheduler import GUARD, MAX_GUARD, Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until
+from ffstate.scheduler import Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until
 
 
 class FakeClock:
@@ -42,20 +42,6 @@ def test_prediction_repeats_the_last_steps_collectives_after_the_newest_commit()
     assert predicted_busy_until(11.1, 11.3, intervals, [11.0]) is None  # one commit: no step length yet
 
 
-def test_prediction_follows_the_drift_of_the_step_in_progress():
-    commits = [10.0, 11.0]
-    template = [(10.2, 10.4), (10.7, 10.8)]
-    assert predicted_busy_until(11.7, 11.72, template, commits) == pytest.approx(11.8)
-    late = template + [(11.25, 11.45)]  # this step's first collective came 50 ms late: so will the second
-    assert predicted_busy_until(11.7, 11.72, late, commits) is None
-    assert predicted_busy_until(11.7, 11.76, late, commits) == pytest.approx(11.85)
-    assert predicted_busy_until(12.2, 12.26, late, commits) == pytest.approx(12.45)  # and the next step
-    early = template + [(11.15, 11.35)]
-    assert predicted_busy_until(11.64, 11.66, early, commits) == pytest.approx(11.75)
-    # Ranks of one node mark the same collective: one collective, not two steps' worth.
-    assert merge_intervals([(1.0, 1.2), (1.05, 1.25), (1.5, 1.6)]) == [(1.0, 1.25), (1.5, 1.6)]
-
-
 def test_collisions_count_collectives_that_start_while_a_chunk_is_on_the_wire():
     clock = FakeClock(10.0)
     marks = {"intervals": [], "commits": [9.0, 10.0]}
@@ -66,25 +52,12 @@ def test_collisions_count_collectives_that_start_while_a_chunk_is_on_the_wire():
     clock.now = 10.6
     links = naive.links()
     assert (naive.timeline.collectives, naive.timeline.collisions, links["h"].collisions) == (2, 1, 1)
+    assert naive.timeline.overlap == pytest.approx(0.05) == links["h"].overlap  # 10.15-10.2 shared the link
     assert naive.links()["h"].collisions == 1  # each collective is counted once
+    # Ranks of one node mark the same collective: one collective, not two.
+    assert merge_intervals([(1.0, 1.2), (1.05, 1.25), (1.5, 1.6)]) == [(1.0, 1.25), (1.5, 1.6)]
     naive.after_push("h", 200_000, 0.2)
     assert links["h"].estimate == 1e6  # given: kept
-
-
-def test_the_guard_learns_how_early_collectives_come():
-    marks = {"intervals": [], "commits": [0.0, 1.0]}
-    t = Timeline(lambda: (0, marks["intervals"], marks["commits"]))
-    assert t.guard() == GUARD
-    for step in range(1, 12):  # each step's second collective comes 8 ms before its place after the first
-        prev, last = marks["commits"]
-        marks["intervals"] = [(prev + 0.1, prev + 0.2), (prev + 0.5, prev + 0.6), (last + 0.1, last + 0.2),
-                              (last + 0.492, last + 0.6)]
-        t.observe()
-        marks["commits"] = [last, last + 1.0]
-    assert t.guard() == pytest.approx(0.008)
-    for _ in range(64):
-        t.early.append(1.0)
-    assert t.guard() == MAX_GUARD
 
 
 def test_token_bucket_holds_replication_to_its_share_of_the_link():

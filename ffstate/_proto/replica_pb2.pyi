@@ -177,7 +177,7 @@ class ShardInfo(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "guard_seconds")
+    __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "overlap_seconds")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -186,7 +186,7 @@ class InventoryResponse(_message.Message):
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     COLLISIONS_FIELD_NUMBER: _ClassVar[int]
-    GUARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     bytes_used: int
@@ -195,11 +195,11 @@ class InventoryResponse(_message.Message):
     scheduler: str
     collectives: int
     collisions: int
-    guard_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., guard_seconds: _Optional[float] = ...) -> None: ...
+    overlap_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ...) -> None: ...
 
 class LinkInfo(_message.Message):
-    __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions")
+    __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions", "overlap_seconds")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,7 @@ class LinkInfo(_message.Message):
     DEADLINE_OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     COLLISIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     holder: str
     estimate_bytes_per_second: float
     share: float
@@ -214,7 +215,8 @@ class LinkInfo(_message.Message):
     deadline_overrides: int
     scheduler: str
     collisions: int
-    def __init__(self, holder: _Optional[str] = ..., estimate_bytes_per_second: _Optional[float] = ..., share: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., deadline_overrides: _Optional[int] = ..., scheduler: _Optional[str] = ..., collisions: _Optional[int] = ...) -> None: ...
+    overlap_seconds: float
+    def __init__(self, holder: _Optional[str] = ..., estimate_bytes_per_second: _Optional[float] = ..., share: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., deadline_overrides: _Optional[int] = ..., scheduler: _Optional[str] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ...) -> None: ...
 
 class StepBackRequest(_message.Message):
     __slots__ = ("shard", "version")

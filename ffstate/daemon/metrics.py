@@ -73,22 +73,23 @@ class DaemonCollector(Collector):
         collisions = CounterMetricFamily("ffstate_scheduler_collisions",
                                          "The training's collectives that started while a chunk to the holder was on "
                                          "the wire", labels=["node", "holder"])
+        overlap = CounterMetricFamily("ffstate_scheduler_overlap_seconds",
+                                      "Seconds chunks to the holder were on the wire during the training's collectives",
+                                      labels=["node", "holder"])
         for holder, link in pacer.links().items():
             estimate.add_metric([node, holder], link.estimate)
             waited.add_metric([node, holder], link.waited)
             overrides.add_metric([node, holder], link.overrides)
             collisions.add_metric([node, holder], link.collisions)
+            overlap.add_metric([node, holder], link.overlap)
         share.add_metric([node], getattr(pacer, "share", 1.0))
-        yield from (estimate, share, waited, overrides, collisions)
+        yield from (estimate, share, waited, overrides, collisions, overlap)
         timeline = getattr(pacer, "timeline", None)
         if timeline is not None:
             seen = CounterMetricFamily("ffstate_scheduler_collectives", "The training's collectives the scheduler saw "
                                        "marked by this node's workers", labels=["node"])
             seen.add_metric([node], timeline.collectives)
-            guard = GaugeMetricFamily("ffstate_scheduler_guard_seconds", "Clearance kept before a predicted collective",
-                                      labels=["node"])
-            guard.add_metric([node], timeline.guard())
-            yield from (seen, guard)
+            yield seen
 
         held = GaugeMetricFamily("ffstate_replica_bytes", "Memory of the replicas this daemon holds", labels=shard)
         version = GaugeMetricFamily("ffstate_replica_version", "Newest version of a held replica", labels=shard)

@@ -328,10 +328,11 @@ class Daemon(pb_grpc.ReplicaServicer):
             pacer = self.replicator.pacer
             links = [pb.LinkInfo(holder=h, estimate_bytes_per_second=link.estimate, share=getattr(pacer, "share", 1.0),
                                  waited_seconds=link.waited, deadline_overrides=link.overrides,
-                                 scheduler=pacer.name, collisions=link.collisions) for h, link in pacer.links().items()]
+                                 scheduler=pacer.name, collisions=link.collisions, overlap_seconds=link.overlap)
+                     for h, link in pacer.links().items()]
             timeline = getattr(pacer, "timeline", None)
             seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
-                                                "guard_seconds": timeline.guard()}
+                                                "overlap_seconds": timeline.overlap}
             return pb.InventoryResponse(node_id=self.cfg.node_id, shards=shards, bytes_used=self.store.used,
                                         bytes_budget=self.store.budget, links=links, scheduler=pacer.name, **seen)
 
