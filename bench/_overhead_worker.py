@@ -78,8 +78,8 @@ def main() -> None:
 
     modes = a.modes.split(",")
     results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
-                                    "drain_seconds": [], "collectives": 0, "collisions": 0, "commit_seconds": [],
-                                    "steps_run": 0}
+                                    "drain_seconds": [], "collectives": 0, "collisions": 0, "overlap_seconds": 0.0,
+                                    "commit_seconds": [], "steps_run": 0}
                for m in modes}
     for r in range(a.repeats):
         for mode in modes:
@@ -117,7 +117,8 @@ def main() -> None:
                 res["drain_seconds"].append(time.perf_counter() - start)
             res["wire_bytes"] += after["pushed_bytes"] - before["pushed_bytes"]
             res["wire_versions"] += after["pushed_versions"] - before["pushed_versions"]
-            for k in ("collectives", "collisions"):  # the node's daemon's counts: the same for each rank of a node
+            # The node's daemon's counts: the same for each rank of a node.
+            for k in ("collectives", "collisions", "overlap_seconds"):
                 res[k] += after[k] - before[k]
             res["state_bytes"], res["shard_bytes"] = after.get("state_bytes", 0), after.get("shard_bytes", 0)
     (a.out / f"overhead-rank{rank}.json").write_text(json.dumps({"rank": rank, "parallel": a.parallel,

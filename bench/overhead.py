@@ -166,6 +166,9 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
             leaders = [r["results"][mode] for r in ranks if r.get("local_rank", 0) == 0]
             row["collectives"] = sum(p.get("collectives", 0) for p in leaders)
             row["collisions"] = sum(p.get("collisions", 0) for p in leaders)
+            # Seconds replication shared the link with the training's collectives, both nodes, per step.
+            row["overlap_seconds_per_step"] = (sum(p.get("overlap_seconds", 0.0) for p in leaders)
+                                               / max(1, per_rank[0].get("steps_run", 0)))
             # Both nodes' daemons of this mode's policy, per step the job ran with them (razor-off shares the
             # scheduler's daemons: their CPU is split by steps).
             policy = MODES[mode][1]
@@ -215,7 +218,8 @@ def report(result: dict) -> str:
                          f"{row['replicated_bytes_per_rank'] / 1e6:.2f} of {row['state_bytes_per_rank'] / 1e6:.2f}"
                          if "replicated_bytes_per_rank" in row else "-",
                          f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-",
-                         f"{row['collisions']} of {row['collectives']}" if row.get("collectives") else "-",
+                         f"{row['collisions']} of {row['collectives']} / {row['overlap_seconds_per_step'] * 1e3:.1f}"
+                         if row.get("collectives") else "-",
                          f"{row['daemon_cpu_seconds_per_step'] * 1e3:.0f}" if "daemon_cpu_seconds_per_step" in row else "-"])
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
@@ -225,7 +229,7 @@ def report(result: dict) -> str:
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "commit ms", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
-                                             "lag at end steps / drain ms", "collectives met a chunk",
+                                             "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
                                              "daemon CPU ms/step"])])
 
 
