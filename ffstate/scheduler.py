@@ -126,7 +126,8 @@ class Naive:
     """Sends as soon as a snapshot is captured (the comparison the scheduler is measured against).
 
     It paces nothing, but keeps the same figures: a link estimate per holder (its pushes are not
-    paced, so their rate is the link's) and, given the workers' marks (``busy``), the collisions.
+    paced, so their rate is the link's) and, given the workers' marks (``busy``), the collisions and
+    the overlap (``Timeline``).
     """
 
     name = "naive"

@@ -58,6 +58,10 @@ def test_collisions_count_collectives_that_start_while_a_chunk_is_on_the_wire():
     assert merge_intervals([(1.0, 1.2), (1.05, 1.25), (1.5, 1.6)]) == [(1.0, 1.25), (1.5, 1.6)]
     naive.after_push("h", 200_000, 0.2)
     assert links["h"].estimate == 1e6  # given: kept
+    measured = Naive()
+    measured.after_push("h", 2_000_000, 0.5)  # unpaced: the push's rate is the link's
+    assert measured.links()["h"].estimate == pytest.approx(4e6)
+    assert measured.timeline.collectives == 0  # no marks to read
 
 
 def test_token_bucket_holds_replication_to_its_share_of_the_link():
