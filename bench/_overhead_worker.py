@@ -9,7 +9,8 @@ rank's whole state replicated). The daemons of each scheduler policy listen on t
 ``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``). Each phase is a fresh ffstate job on the same
 model, so its first commit sends a full version; step times are taken from the third step on, and
 the bytes on the wire per step are the daemon's counters between the second and the last commit
-(deltas only), as are the training's collectives the node's daemon saw and those that met a chunk.
+(deltas only), as are the training's collectives the node's daemon saw, those that met a chunk and
+the seconds chunks overlapped them; ``ff.commit``'s time is taken per step.
 Every rank writes ``DIR/overhead-rank<R>.json``.
 """
 

@@ -17,8 +17,10 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``; the
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
-it replicates; and the training's collectives that started while a replication chunk was on the wire
-(counted by the daemons from the workers' marks: what the pacing is for, without a noisy step time).
+it replicates; the time ``ff.commit`` held the loop; the training's collectives that started while a
+replication chunk was on the wire and the seconds chunks shared the link with collectives (counted by
+the daemons from the workers' marks: what the pacing is for, without a noisy step time); and the
+daemons' CPU per step (from /proc).
 Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
 Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2] [--modes off,naive,scheduler,razor-off]
