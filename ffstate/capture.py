@@ -200,7 +200,14 @@ def _as_dtensors(opt: torch.optim.Optimizer, state: dict) -> dict:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """The RNG states of torch (and CUDA where initialised), numpy and Python's ``random``.
+
+    Python's Mersenne Twister state, a tuple of 625 ints, is kept as one uint32 array: as 625
+    scalars it was most of a commit's layout walk and of every delta's scalars (0.5 ms a commit).
+    """
+    version, words, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": (version, np.array(words, dtype=np.uint32), gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -209,7 +216,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(int(w) for w in words), gauss))
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
 

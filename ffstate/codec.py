@@ -187,14 +187,20 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, c
     else:
         if targets is None:
             targets = pack_targets(out, current)
+        dsts, srcs = [], []
         with torch.no_grad():
             for (spec, a), dst in zip(placed, targets, strict=True):
                 if spec.kind == "ndarray":
                     dst.copy_(layout.array_bytes(a))
                 elif a.dtype == torch.bool:  # as bytes: a bool copy may normalise them to 0/1
-                    dst.view(torch.uint8).copy_(a.detach().view(torch.uint8))
-                else:  # layout.copy_bits without its per-tensor no_grad: ~1 ms a commit at 209 tensors
-                    dst.copy_(a.detach())
+                    dst.view(torch.uint8).copy_(a.view(torch.uint8))
+                else:
+                    dsts.append(dst)
+                    srcs.append(a)
+            # One call for all the tensors (same dtypes pairwise; a loop of copy_ where devices differ):
+            # a third of the per-tensor copy_ calls' cost at 114 tensors.
+            if dsts:
+                torch._foreach_copy_(dsts, srcs)
     buf = out[: current.nbytes]
     return Snapshot(current, buf, buffer_checksum(buf) if checksum else None)
 

@@ -78,6 +78,21 @@ def test_training_state_with_rng_states_roundtrips():
     torch.set_rng_state(got["rng"]["torch"])
 
 
+def test_captured_rng_states_go_back_through_a_snapshot_and_draw_the_same_numbers():
+    from ffstate import capture
+
+    random.seed(5)
+    random.gauss(0, 1)  # leaves a cached Gaussian in Python's state: it must come back too
+    np.random.seed(6)
+    torch.manual_seed(7)
+    snap = codec.pack(capture.rng_state())
+    # Python's 625-word state is one array, not 625 scalars (most of a commit's layout walk otherwise).
+    assert len(snap.manifest.scalars) < 10
+    want = [random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(1).item()]
+    capture.set_rng_state(codec.unpack(snap))
+    assert [random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(1).item()] == want
+
+
 def test_manifest_is_plain_json_and_round_trips():
     state = {"a": torch.randn(3, 5), "b": [torch.arange(4), 1.25], "c": np.arange(3, dtype=np.uint32)}
     m = layout.describe(state)
