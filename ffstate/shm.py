@@ -58,6 +58,9 @@ RAZOR_OFFSET = 160
 # COMM_RING (start, end) times (ns) of its collectives and the ring's write count; see CommMarks.
 COMM_OFFSET = 176
 COMM_RING = 48
+# Written by the daemon only (slot 0's header): the newest version every holder of this rank has, so
+# that a commit checks the replication lag with one read instead of a call to the daemon.
+REPLICATED_OFFSET = COMM_OFFSET + 16 + 16 * COMM_RING
 STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -244,6 +247,15 @@ class Slots:
         if inflight and commits and time.time() - commits[-1] > STALE_MARKS:
             inflight = 0  # no commit for that long: the worker is gone or stuck, its count means nothing
         return max(inflight, 0), intervals, commits
+
+    def set_replicated(self, version: int) -> None:
+        """Daemon side: the newest version every holder of this rank has (0: none, or forgotten)."""
+        if self._maps:
+            struct.pack_into("<Q", self._maps[0], REPLICATED_OFFSET, version)
+
+    def replicated(self) -> int:
+        """Worker side: what the daemon last wrote with ``set_replicated``."""
+        return struct.unpack_from("<Q", self._maps[0], REPLICATED_OFFSET)[0] if self._maps else 0
 
     def razor_counters(self) -> tuple[int, int]:
         return struct.unpack_from("<QQ", self._maps[0], RAZOR_OFFSET) if self._maps else (0, 0)

@@ -54,6 +54,13 @@ def test_commits_replicate_bit_exact_full_then_deltas(pair, tmp_path):
     assert "full" in log and "delta" in log, "expected a full version, then deltas"
     # A serves its own rank from the slots: the node-local copy.
     assert_bitwise_equal(codec.decode(a.client().fetch("j1", 0, 2)), states[-1])
+    # And tells the worker what its holders have through the slot header: a commit reads its lag there.
+    desc = a.client().lookup("j1", 0, 2)
+    slots = shm.Slots([Path(p) for p in desc.slot_paths], layout.Manifest.from_json(desc.manifest_json))
+    try:
+        assert slots.replicated() == 6
+    finally:
+        slots.close()
 
 
 def test_writer_killed_mid_write_leaves_the_previous_version_intact(pair, tmp_path):

@@ -94,6 +94,10 @@ class LocalShard:
     def replicated_version(self) -> int:
         return min((h.acked for h in self.holders), default=0)
 
+    def report(self) -> None:
+        """Writes ``replicated_version`` into the slot header, where the worker's commit reads its lag."""
+        self.slots.set_replicated(self.replicated_version)
+
     @property
     def paths(self) -> list[Path]:
         return self.slots.paths
@@ -154,6 +158,7 @@ class Replicator:
             old = shard.holders
             shard.holders = self.holders(addresses)
             shard.base, shard.base_version, shard.chain = None, 0, []
+            shard.report()
         for h in old:
             h.client.close()
 
@@ -283,6 +288,7 @@ class Replicator:
         except (ReplicaError, FFStateError) as e:
             if not isinstance(e, ReplicaUnavailable):
                 holder.acked = 0  # whatever went wrong, the next push is a full version
+                shard.report()
             holder.backoff()
             log.warning("push of %s version %d to %s failed (%s); retry in %.1fs", k, version, holder.address, e,
                         holder.next_try - time.monotonic())
@@ -291,6 +297,7 @@ class Replicator:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
         self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start, held[0])
         holder.acked, holder.failures = version, 0
+        shard.report()
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes
         shard.pushed_versions += 1
