@@ -1,4 +1,5 @@
-"""The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn.
+"""The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn
+(each repeat starting one mode later than the one before).
 
     torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2
         [--modes off,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
@@ -83,7 +84,9 @@ def main() -> None:
                                     "commit_seconds": [], "steps_run": 0}
                for m in modes}
     for r in range(a.repeats):
-        for mode in modes:
+        # Each repeat starts one mode later, so that no mode always follows the same one (a phase pays for
+        # what the one before left behind: garbage, the daemons' teardown).
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
             res = results[mode]
             dist.barrier()
             if mode == "off":

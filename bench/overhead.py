@@ -15,7 +15,8 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 - ``scheduler``: ffstate, razor on, paced into the training's idle windows under a share of the link;
 - ``razor-off``: the scheduler, every rank replicating its whole state.
 
-Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``; the
+Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``, pooled
+over phases and paired (each phase against the ``off`` phase of its repeat, median over repeats); the
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
 it replicates; the time ``ff.commit`` held the loop; the training's collectives that started while a
 replication chunk was on the wire and the seconds chunks shared the link with collectives (counted by
@@ -143,15 +144,17 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
+def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int = 1) -> dict:
     from ffstate.bench._overhead_worker import MODES
 
-    out = {}
+    out, phases = {}, {}
     for mode in modes:
         per_rank = [r["results"][mode] for r in ranks]
         # A step takes as long as its slowest rank: the median over steps of the per-step maximum.
-        step = statistics.median(max(ts) for ts in zip(*(p["step_seconds"] for p in per_rank)))
-        row = {"step_seconds": step}
+        steps = [max(ts) for ts in zip(*(p["step_seconds"] for p in per_rank))]
+        row = {"step_seconds": statistics.median(steps)}
+        n = len(steps) // repeats if repeats and len(steps) % repeats == 0 else 0
+        phases[mode] = [statistics.median(steps[i * n:(i + 1) * n]) for i in range(repeats)] if n else []
         if mode != "off":
             row["wire_bytes_per_step_per_rank"] = statistics.median(
                 p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"])
@@ -178,8 +181,13 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str]) -> dict:
             if "daemon_cpu_seconds" in ranks[0] and steps:
                 row["daemon_cpu_seconds_per_step"] = ranks[0]["daemon_cpu_seconds"][policy] / steps
         out[mode] = row
-    for row in out.values():
+    for mode, row in out.items():
         row["step_ratio"] = row["step_seconds"] / out["off"]["step_seconds"] if "off" in out else None
+        # Paired: each phase against the off phase of the same repeat, run seconds before it, so that the
+        # machine's slow drift (other jobs on a shared host) cancels; the median over repeats.
+        if phases.get("off") and phases[mode]:
+            row["step_ratio_per_repeat"] = [m / o for m, o in zip(phases[mode], phases["off"])]
+            row["step_ratio_paired"] = statistics.median(row["step_ratio_per_repeat"])
     return out
 
 
@@ -202,7 +210,7 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
                 else:
                     with netns.shaped_link(where) as link:
                         ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link, **opts)
-                result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes)
+                result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes, repeats)
     return publish(out_dir, "overhead", result, report, plot)
 
 
@@ -214,6 +222,7 @@ def report(result: dict) -> str:
             wire = row.get("wire_bytes_per_step_per_rank")
             rows.append([parallel, mode, f"{row['step_seconds'] * 1e3:.0f}",
                          f"{row['step_ratio']:.3f}" if row.get("step_ratio") else "-",
+                         f"{row['step_ratio_paired']:.3f}" if row.get("step_ratio_paired") else "-",
                          f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-",
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
@@ -229,7 +238,8 @@ def report(result: dict) -> str:
             f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}"
             f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
-    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "commit ms", "wire MB/step/rank",
+    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired", "commit ms",
+                                             "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
                                              "daemon CPU ms/step"])])

@@ -39,3 +39,23 @@ def test_simulation_answers_the_way_the_model_says():
         assert simulate(job, 200, k=2)["replicated_bytes_per_node"] == 2 * on["replicated_bytes_per_node"]
     slow = Job("tiny step", 7e9, 64, tp=1, tokens_per_step=1e4)  # almost no compute: the link is never idle
     assert simulate(slow, 100)["idle_fraction"] == 0 and simulate(slow, 100)["overhead"] > 0
+
+
+def test_overhead_paired_ratio_cancels_the_machine_drifting_between_repeats():
+    """bench overhead's summary: in repeat 1 the whole machine runs 50% slower; the pooled median sees a
+    mode's phases against off's across repeats, the paired ratio each phase against its own repeat's off."""
+    from ffstate.bench.overhead import summarize
+
+    def rank(off: list, on: list) -> dict:
+        return {"results": {"off": {"step_seconds": off}, "naive": {
+            "step_seconds": on, "wire_bytes": 1, "wire_versions": 1, "shard_bytes": 1, "state_bytes": 1}}}
+
+    # 3 repeats of 2 timed steps; naive costs 10% in every repeat; repeat 1 runs at 1.5x for both modes.
+    off = [1.0, 1.0, 1.5, 1.5, 1.0, 1.0]
+    on = [1.1, 1.1, 1.65, 1.65, 1.1, 1.1]
+    out = summarize("ddp", [rank(off, on), rank(off, on)], ["off", "naive"], repeats=3)
+    assert out["naive"]["step_ratio_per_repeat"] == pytest.approx([1.1, 1.1, 1.1])
+    assert out["naive"]["step_ratio_paired"] == pytest.approx(1.1)
+    assert out["off"]["step_ratio_paired"] == 1.0
+    # Where the phases do not split evenly into repeats there is no paired ratio, only the pooled one.
+    assert "step_ratio_paired" not in summarize("ddp", [rank(off, on)], ["off", "naive"], repeats=4)["naive"]
