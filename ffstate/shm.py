@@ -250,8 +250,10 @@ class Slots:
 
     def set_replicated(self, version: int) -> None:
         """Daemon side: the newest version every holder of this rank has (0: none, or forgotten)."""
-        if self._maps:
+        try:
             struct.pack_into("<Q", self._maps[0], REPLICATED_OFFSET, version)
+        except (IndexError, ValueError):  # closed (the job was dropped) while a push was finishing
+            pass
 
     def replicated(self) -> int:
         """Worker side: what the daemon last wrote with ``set_replicated``."""
