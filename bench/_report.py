@@ -15,7 +15,8 @@ import torch
 
 def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None,
                    self_timed: bool = False) -> dict[str, float]:
-    """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike).
+    """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike),
+    each round starting one function later (none always runs right after the same one, in what it left).
 
     With ``self_timed`` each function returns the seconds to count itself (the part of it that matters).
     """
@@ -23,8 +24,9 @@ def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Cal
     for fn in fns.values():  # warm-up: first-touch allocation, kernel compilation
         fn()
     sync()
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(repeats):
+        for name, fn in order[r % len(order):] + order[:r % len(order)]:
             start = time.perf_counter()
             got = fn()
             sync()

@@ -5,7 +5,8 @@ TinyGPT + AdamW. Measured in one run, interleaved, medians over repeats:
 
 - the training step, and the time each way of protecting it holds the training loop after the
   step: ``ff.commit``, ``torch.save`` of the state to a file, ``dcp.save``, and ``dcp.async_save``
-  (the call, plus waiting for the previous async save to finish, as a user's loop must);
+  (the call, plus waiting for the previous async save to finish, as a user's loop must); between
+  ways the page cache is written out (``os.sync``, untimed), so that no way pays for another's files;
 - each way's restore into the live model and optimizer: ffstate from the node's shared memory,
   ``torch.load`` + ``load_state_dict``, ``dcp.load``.
 
@@ -83,7 +84,11 @@ def measure(size: str, repeats: int, work: Path, token: str) -> dict:
             protect = {"ffstate": lambda: ff.commit(next(n)), "torch.save": lambda: torch.save(state(), ckpt),
                        "dcp.save": lambda: dcp.save(state(), checkpoint_id=dcp_dir), "dcp.async_save": async_save}
             # Each way's hold is timed right after a real step (the state just changed), interleaved.
-            held = median_seconds({w: _after(step, fn) for w, fn in protect.items()}, repeats, self_timed=True)
+            # Between ways the kernel writes out the files the savers left in the page cache (os.sync, not
+            # timed): 1 GB of dirty pages a round at the large size, whose writeback otherwise lands, at the
+            # kernel's moment, inside the next way's timing, most visibly in ffstate's 25-ms memory copy.
+            held = median_seconds({w: _after(step, fn) for w, fn in protect.items()}, repeats, sync=os.sync,
+                                  self_timed=True)
             base = median_seconds({"step": step}, repeats)["step"]
             if pending[0] is not None:
                 pending[0].result()
