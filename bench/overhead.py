@@ -183,8 +183,8 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
         out[mode] = row
     for mode, row in out.items():
         row["step_ratio"] = row["step_seconds"] / out["off"]["step_seconds"] if "off" in out else None
-        # Paired: each phase against the off phase of the same repeat, run seconds before it, so that the
-        # machine's slow drift (other jobs on a shared host) cancels; the median over repeats.
+        # Paired: each phase against the off phase of the same repeat (a few phases before or after it), so
+        # that the machine's slow drift (other jobs on a shared host) cancels; the median over repeats.
         if phases.get("off") and phases[mode]:
             row["step_ratio_per_repeat"] = [m / o for m, o in zip(phases[mode], phases["off"])]
             row["step_ratio_paired"] = statistics.median(row["step_ratio_per_repeat"])

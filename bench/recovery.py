@@ -6,7 +6,8 @@ TinyGPT + AdamW. Measured in one run, interleaved, medians over repeats:
 - the training step, and the time each way of protecting it holds the training loop after the
   step: ``ff.commit``, ``torch.save`` of the state to a file, ``dcp.save``, and ``dcp.async_save``
   (the call, plus waiting for the previous async save to finish, as a user's loop must); between
-  ways the page cache is written out (``os.sync``, untimed), so that no way pays for another's files;
+  ways the page cache is written out (``os.sync``, untimed), so that no way pays for the writeback of
+  another's files (``dcp.async_save``'s writer thread may still run into the next way: the work it defers);
 - each way's restore into the live model and optimizer: ffstate from the node's shared memory,
   ``torch.load`` + ``load_state_dict``, ``dcp.load``.
 

@@ -143,11 +143,14 @@ class Client:
     # ------------------------------------------------------------ local workers
 
     def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0,
-               holders: Sequence[str] = (), razor: pb.RazorInfo | None = None) -> pb.AttachResponse:
+               holders: Sequence[str] = (), razor: pb.RazorInfo | None = None,
+               discard_after: int | None = None) -> pb.AttachResponse:
         """Creates (or finds) the rank's slots; ``holders`` are where its replicas go (default: the daemon's peers);
-        ``razor`` says what the rank replicates of its state, for the daemon's reports."""
+        ``razor`` says what the rank replicates of its state, for the daemon's reports; ``discard_after``:
+        the version the worker goes on from, past which the daemon un-commits what its slots hold."""
         req = pb.AttachRequest(shard=shard(job_id, rank, world_size), manifest_json=manifest.to_json(),
-                               scalars_capacity=scalars_capacity, holders=list(holders), razor=razor)
+                               scalars_capacity=scalars_capacity, holders=list(holders), razor=razor,
+                               discard_after=discard_after)
         return self._call("attach", lambda: self._attach(req, **self._kw()))
 
     def lookup(self, job_id: str, rank: int, world_size: int) -> pb.AttachResponse | None:

@@ -173,8 +173,14 @@ class Replicated:
             except ReplicaUnavailable as e:
                 self._daemon_lost(e)
                 return
-        else:  # what the daemon wrote in the slot header; asked of the daemon itself only when lagging
-            self._replicated = self._slots.replicated()
+        else:
+            # What the daemon wrote in the slot header; asked of the daemon itself only when lagging. 0 says
+            # nothing yet (replication was reset at attach, or a holder is being re-seeded): keep what we knew
+            # (v* after a restore), so that a full version's push overlaps the next commits instead of holding
+            # the first; if the header stays at 0, the lag passes max_lag and the daemon is asked.
+            header = self._slots.replicated()
+            if 0 < header <= step:
+                self._replicated = header
         if step - self._replicated > self.cfg.max_lag:
             self._lag(step)  # also how a dead daemon is found: its header stops moving
         elif time.monotonic() - self._published > PUBLISH_EVERY:
@@ -346,12 +352,13 @@ class Replicated:
 
     def _attach(self, state: dict) -> None:
         manifest = layout.describe(state)
+        # After a restore to v* the steps past it are redone: the daemon un-commits them before it resets
+        # replication, so that none of them is replicated from the slots of the run that died.
         resp = self.daemon.attach(self.job, self.rank, self.world, manifest, holders=self.holders,
-                                  razor=self._razor_info(manifest))
+                                  razor=self._razor_info(manifest), discard_after=self._last)
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
         self._marks.attach(self._slots)
-        self._slots.discard_newer(self._last)  # after a restore to v*, the steps past it are redone
 
     # ------------------------------------------------------------ daemons
 

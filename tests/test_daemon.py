@@ -95,6 +95,29 @@ def test_step_back_w_versions_bit_exact(pair, tmp_path):
     assert e.value.code == "NOT_FOUND"
 
 
+def test_reattach_after_a_restore_discards_the_redone_steps_before_replication_resets(pair, tmp_path):
+    """A worker restored to v* = 3 re-attaches while the slots still hold 4 and 5 of the run that died: the
+    daemon un-commits them before it forgets what the holders have, so it never re-reads them as new
+    versions and pushes them again in full (the steps 4 and 5 are about to be redone, maybe differently)."""
+    a, b = pair
+    run_writer(a, "j9", 5, tmp_path, "--wait-replicated")
+    wait_until(lambda: held_version(b.client(), "j9", 0) == 5, what="B at version 5")
+    ca = a.client()
+    desc = ca.lookup("j9", 0, 2)
+    assert sorted(desc.committed_versions) == [4, 5]
+    manifest = layout.Manifest.from_json(desc.manifest_json)
+    fulls = len(re.findall(r"version \d+ to \S+: full", a.log()))
+    resp = ca.attach("j9", 0, 2, manifest, discard_after=3)
+    assert list(resp.committed_versions) == []  # described after the discard, in the same call
+    time.sleep(0.5)  # the replicator looks at the slots every 5 ms: a re-read of 4 or 5 would be pushed by now
+    assert len(re.findall(r"version \d+ to \S+: full", a.log())) == fulls, a.log()[-2000:]
+    slots = shm.Slots([Path(p) for p in resp.slot_paths], manifest)
+    try:
+        assert slots.committed() == [] and slots.replicated() == 0  # replication starts over, from nothing
+    finally:
+        slots.close()
+
+
 def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
     b = daemons.start()
     a = daemons.start("--peer", b.address)

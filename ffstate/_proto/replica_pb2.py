@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x66state/v1/replica.proto\x12\nffstate.v1\"<\n\x08ShardKey\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"\x9c\x01\n\rAttachRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\x12\x18\n\x10scalars_capacity\x18\x03 \x01(\x04\x12\x0f\n\x07holders\x18\x04 \x03(\t\x12$\n\x05razor\x18\x05 \x01(\x0b\x32\x15.ffstate.v1.RazorInfo\"\x98\x01\n\tRazorInfo\x12\r\n\x05group\x18\x01 \x03(\x05\x12\x13\n\x0bstate_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fredundant_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshard_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rverifications\x18\x06 \x01(\x04\x12\x12\n\nmismatches\x18\x07 \x01(\x04\"\x97\x01\n\x0e\x41ttachResponse\x12\x12\n\nslot_paths\x18\x01 \x03(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63ommitted_versions\x18\x05 \x03(\x04\x12\x15\n\rmanifest_json\x18\x06 \x01(\x0c\"D\n\x0c\x43ommitNotice\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x11\n\x0f\x43ommitNoticeAck\"\xa4\x01\n\tPushChunk\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\"<\n\nPushResult\x12\x16\n\x0estaged_version\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"E\n\rCommitRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"1\n\x0c\x43ommitResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"m\n\x0c\x46\x65tchRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_chunk\x18\x03 \x01(\r\x12\x12\n\nchunk_step\x18\x04 \x01(\r\"j\n\nFetchChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x03 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\"\"\n\x10InventoryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x8c\x02\n\tShardInfo\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\r\n\x05local\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x18\n\x10last_update_unix\x18\x06 \x01(\x01\x12\x0e\n\x06source\x18\x07 \x01(\t\x12\x1a\n\x12replicated_version\x18\x08 \x01(\x04\x12$\n\x05razor\x18\t \x01(\x0b\x32\x15.ffstate.v1.RazorInfo\x12\x14\n\x0cpushed_bytes\x18\n \x01(\x04\x12\x17\n\x0fpushed_versions\x18\x0b \x01(\x04\"\xef\x01\n\x11InventoryResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x06shards\x18\x02 \x03(\x0b\x32\x15.ffstate.v1.ShardInfo\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_budget\x18\x04 \x01(\x04\x12#\n\x05links\x18\x05 \x03(\x0b\x32\x14.ffstate.v1.LinkInfo\x12\x11\n\tscheduler\x18\x06 \x01(\t\x12\x13\n\x0b\x63ollectives\x18\x07 \x01(\x04\x12\x12\n\ncollisions\x18\x08 \x01(\x04\x12\x17\n\x0foverlap_seconds\x18\t \x01(\x01\"\xc0\x01\n\x08LinkInfo\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12!\n\x19\x65stimate_bytes_per_second\x18\x02 \x01(\x01\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12\x64\x65\x61\x64line_overrides\x18\x05 \x01(\x04\x12\x11\n\tscheduler\x18\x06 \x01(\t\x12\x12\n\ncollisions\x18\x07 \x01(\x04\x12\x17\n\x0foverlap_seconds\x18\x08 \x01(\x01\"G\n\x0fStepBackRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"3\n\x0eStepBackResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"2\n\x0b\x44ropRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\"\x1d\n\nDropResult\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r2\xca\x04\n\x07Replica\x12?\n\x06\x41ttach\x12\x19.ffstate.v1.AttachRequest\x1a\x1a.ffstate.v1.AttachResponse\x12:\n\x06Lookup\x12\x14.ffstate.v1.ShardKey\x1a\x1a.ffstate.v1.AttachResponse\x12\x45\n\x0cNotifyCommit\x12\x18.ffstate.v1.CommitNotice\x1a\x1b.ffstate.v1.CommitNoticeAck\x12\x37\n\x04Push\x12\x15.ffstate.v1.PushChunk\x1a\x16.ffstate.v1.PushResult(\x01\x12=\n\x06\x43ommit\x12\x19.ffstate.v1.CommitRequest\x1a\x18.ffstate.v1.CommitResult\x12;\n\x05\x46\x65tch\x12\x18.ffstate.v1.FetchRequest\x1a\x16.ffstate.v1.FetchChunk0\x01\x12H\n\tInventory\x12\x1c.ffstate.v1.InventoryRequest\x1a\x1d.ffstate.v1.InventoryResponse\x12\x43\n\x08StepBack\x12\x1b.ffstate.v1.StepBackRequest\x1a\x1a.ffstate.v1.StepBackResult\x12\x37\n\x04\x44rop\x12\x17.ffstate.v1.DropRequest\x1a\x16.ffstate.v1.DropResultb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x66\x66state/v1/replica.proto\x12\nffstate.v1\"<\n\x08ShardKey\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\"\xca\x01\n\rAttachRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x15\n\rmanifest_json\x18\x02 \x01(\x0c\x12\x18\n\x10scalars_capacity\x18\x03 \x01(\x04\x12\x0f\n\x07holders\x18\x04 \x03(\t\x12$\n\x05razor\x18\x05 \x01(\x0b\x32\x15.ffstate.v1.RazorInfo\x12\x1a\n\rdiscard_after\x18\x06 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_discard_after\"\x98\x01\n\tRazorInfo\x12\r\n\x05group\x18\x01 \x03(\x05\x12\x13\n\x0bstate_bytes\x18\x02 \x01(\x04\x12\x17\n\x0fredundant_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshard_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x15\n\rverifications\x18\x06 \x01(\x04\x12\x12\n\nmismatches\x18\x07 \x01(\x04\"\x97\x01\n\x0e\x41ttachResponse\x12\x12\n\nslot_paths\x18\x01 \x03(\t\x12\x12\n\nslot_bytes\x18\x02 \x01(\x04\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x19\n\x11\x63ommitted_version\x18\x04 \x01(\x04\x12\x1a\n\x12\x63ommitted_versions\x18\x05 \x03(\x04\x12\x15\n\rmanifest_json\x18\x06 \x01(\x0c\"D\n\x0c\x43ommitNotice\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"\x11\n\x0f\x43ommitNoticeAck\"\xa4\x01\n\tPushChunk\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x04 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x06\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\"<\n\nPushResult\x12\x16\n\x0estaged_version\x18\x01 \x01(\x04\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"E\n\rCommitRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"1\n\x0c\x43ommitResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"m\n\x0c\x46\x65tchRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x13\n\x0b\x66irst_chunk\x18\x03 \x01(\r\x12\x12\n\nchunk_step\x18\x04 \x01(\r\"j\n\nFetchChunk\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x13\n\x0b\x63hunk_index\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x03 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\x06\x12\x0f\n\x07payload\x18\x05 \x01(\x0c\"\"\n\x10InventoryRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x8c\x02\n\tShardInfo\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\r\n\x05local\x18\x02 \x01(\x08\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x10\n\x08versions\x18\x04 \x03(\x04\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x18\n\x10last_update_unix\x18\x06 \x01(\x01\x12\x0e\n\x06source\x18\x07 \x01(\t\x12\x1a\n\x12replicated_version\x18\x08 \x01(\x04\x12$\n\x05razor\x18\t \x01(\x0b\x32\x15.ffstate.v1.RazorInfo\x12\x14\n\x0cpushed_bytes\x18\n \x01(\x04\x12\x17\n\x0fpushed_versions\x18\x0b \x01(\x04\"\xef\x01\n\x11InventoryResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12%\n\x06shards\x18\x02 \x03(\x0b\x32\x15.ffstate.v1.ShardInfo\x12\x12\n\nbytes_used\x18\x03 \x01(\x04\x12\x14\n\x0c\x62ytes_budget\x18\x04 \x01(\x04\x12#\n\x05links\x18\x05 \x03(\x0b\x32\x14.ffstate.v1.LinkInfo\x12\x11\n\tscheduler\x18\x06 \x01(\t\x12\x13\n\x0b\x63ollectives\x18\x07 \x01(\x04\x12\x12\n\ncollisions\x18\x08 \x01(\x04\x12\x17\n\x0foverlap_seconds\x18\t \x01(\x01\"\xc0\x01\n\x08LinkInfo\x12\x0e\n\x06holder\x18\x01 \x01(\t\x12!\n\x19\x65stimate_bytes_per_second\x18\x02 \x01(\x01\x12\r\n\x05share\x18\x03 \x01(\x01\x12\x16\n\x0ewaited_seconds\x18\x04 \x01(\x01\x12\x1a\n\x12\x64\x65\x61\x64line_overrides\x18\x05 \x01(\x04\x12\x11\n\tscheduler\x18\x06 \x01(\t\x12\x12\n\ncollisions\x18\x07 \x01(\x04\x12\x17\n\x0foverlap_seconds\x18\x08 \x01(\x01\"G\n\x0fStepBackRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\x12\x0f\n\x07version\x18\x02 \x01(\x04\"3\n\x0eStepBackResult\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x02 \x01(\x06\"2\n\x0b\x44ropRequest\x12#\n\x05shard\x18\x01 \x01(\x0b\x32\x14.ffstate.v1.ShardKey\"\x1d\n\nDropResult\x12\x0f\n\x07\x64ropped\x18\x01 \x01(\r2\xca\x04\n\x07Replica\x12?\n\x06\x41ttach\x12\x19.ffstate.v1.AttachRequest\x1a\x1a.ffstate.v1.AttachResponse\x12:\n\x06Lookup\x12\x14.ffstate.v1.ShardKey\x1a\x1a.ffstate.v1.AttachResponse\x12\x45\n\x0cNotifyCommit\x12\x18.ffstate.v1.CommitNotice\x1a\x1b.ffstate.v1.CommitNoticeAck\x12\x37\n\x04Push\x12\x15.ffstate.v1.PushChunk\x1a\x16.ffstate.v1.PushResult(\x01\x12=\n\x06\x43ommit\x12\x19.ffstate.v1.CommitRequest\x1a\x18.ffstate.v1.CommitResult\x12;\n\x05\x46\x65tch\x12\x18.ffstate.v1.FetchRequest\x1a\x16.ffstate.v1.FetchChunk0\x01\x12H\n\tInventory\x12\x1c.ffstate.v1.InventoryRequest\x1a\x1d.ffstate.v1.InventoryResponse\x12\x43\n\x08StepBack\x12\x1b.ffstate.v1.StepBackRequest\x1a\x1a.ffstate.v1.StepBackResult\x12\x37\n\x04\x44rop\x12\x17.ffstate.v1.DropRequest\x1a\x16.ffstate.v1.DropResultb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,43 +34,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDKEY']._serialized_start=40
   _globals['_SHARDKEY']._serialized_end=100
   _globals['_ATTACHREQUEST']._serialized_start=103
-  _globals['_ATTACHREQUEST']._serialized_end=259
-  _globals['_RAZORINFO']._serialized_start=262
-  _globals['_RAZORINFO']._serialized_end=414
-  _globals['_ATTACHRESPONSE']._serialized_start=417
-  _globals['_ATTACHRESPONSE']._serialized_end=568
-  _globals['_COMMITNOTICE']._serialized_start=570
-  _globals['_COMMITNOTICE']._serialized_end=638
-  _globals['_COMMITNOTICEACK']._serialized_start=640
-  _globals['_COMMITNOTICEACK']._serialized_end=657
-  _globals['_PUSHCHUNK']._serialized_start=660
-  _globals['_PUSHCHUNK']._serialized_end=824
-  _globals['_PUSHRESULT']._serialized_start=826
-  _globals['_PUSHRESULT']._serialized_end=886
-  _globals['_COMMITREQUEST']._serialized_start=888
-  _globals['_COMMITREQUEST']._serialized_end=957
-  _globals['_COMMITRESULT']._serialized_start=959
-  _globals['_COMMITRESULT']._serialized_end=1008
-  _globals['_FETCHREQUEST']._serialized_start=1010
-  _globals['_FETCHREQUEST']._serialized_end=1119
-  _globals['_FETCHCHUNK']._serialized_start=1121
-  _globals['_FETCHCHUNK']._serialized_end=1227
-  _globals['_INVENTORYREQUEST']._serialized_start=1229
-  _globals['_INVENTORYREQUEST']._serialized_end=1263
-  _globals['_SHARDINFO']._serialized_start=1266
-  _globals['_SHARDINFO']._serialized_end=1534
-  _globals['_INVENTORYRESPONSE']._serialized_start=1537
-  _globals['_INVENTORYRESPONSE']._serialized_end=1776
-  _globals['_LINKINFO']._serialized_start=1779
-  _globals['_LINKINFO']._serialized_end=1971
-  _globals['_STEPBACKREQUEST']._serialized_start=1973
-  _globals['_STEPBACKREQUEST']._serialized_end=2044
-  _globals['_STEPBACKRESULT']._serialized_start=2046
-  _globals['_STEPBACKRESULT']._serialized_end=2097
-  _globals['_DROPREQUEST']._serialized_start=2099
-  _globals['_DROPREQUEST']._serialized_end=2149
-  _globals['_DROPRESULT']._serialized_start=2151
-  _globals['_DROPRESULT']._serialized_end=2180
-  _globals['_REPLICA']._serialized_start=2183
-  _globals['_REPLICA']._serialized_end=2769
+  _globals['_ATTACHREQUEST']._serialized_end=305
+  _globals['_RAZORINFO']._serialized_start=308
+  _globals['_RAZORINFO']._serialized_end=460
+  _globals['_ATTACHRESPONSE']._serialized_start=463
+  _globals['_ATTACHRESPONSE']._serialized_end=614
+  _globals['_COMMITNOTICE']._serialized_start=616
+  _globals['_COMMITNOTICE']._serialized_end=684
+  _globals['_COMMITNOTICEACK']._serialized_start=686
+  _globals['_COMMITNOTICEACK']._serialized_end=703
+  _globals['_PUSHCHUNK']._serialized_start=706
+  _globals['_PUSHCHUNK']._serialized_end=870
+  _globals['_PUSHRESULT']._serialized_start=872
+  _globals['_PUSHRESULT']._serialized_end=932
+  _globals['_COMMITREQUEST']._serialized_start=934
+  _globals['_COMMITREQUEST']._serialized_end=1003
+  _globals['_COMMITRESULT']._serialized_start=1005
+  _globals['_COMMITRESULT']._serialized_end=1054
+  _globals['_FETCHREQUEST']._serialized_start=1056
+  _globals['_FETCHREQUEST']._serialized_end=1165
+  _globals['_FETCHCHUNK']._serialized_start=1167
+  _globals['_FETCHCHUNK']._serialized_end=1273
+  _globals['_INVENTORYREQUEST']._serialized_start=1275
+  _globals['_INVENTORYREQUEST']._serialized_end=1309
+  _globals['_SHARDINFO']._serialized_start=1312
+  _globals['_SHARDINFO']._serialized_end=1580
+  _globals['_INVENTORYRESPONSE']._serialized_start=1583
+  _globals['_INVENTORYRESPONSE']._serialized_end=1822
+  _globals['_LINKINFO']._serialized_start=1825
+  _globals['_LINKINFO']._serialized_end=2017
+  _globals['_STEPBACKREQUEST']._serialized_start=2019
+  _globals['_STEPBACKREQUEST']._serialized_end=2090
+  _globals['_STEPBACKRESULT']._serialized_start=2092
+  _globals['_STEPBACKRESULT']._serialized_end=2143
+  _globals['_DROPREQUEST']._serialized_start=2145
+  _globals['_DROPREQUEST']._serialized_end=2195
+  _globals['_DROPRESULT']._serialized_start=2197
+  _globals['_DROPRESULT']._serialized_end=2226
+  _globals['_REPLICA']._serialized_start=2229
+  _globals['_REPLICA']._serialized_end=2815
 # @@protoc_insertion_point(module_scope)

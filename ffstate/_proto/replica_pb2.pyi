@@ -17,18 +17,20 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders", "razor")
+    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders", "razor", "discard_after")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     SCALARS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     RAZOR_FIELD_NUMBER: _ClassVar[int]
+    DISCARD_AFTER_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     manifest_json: bytes
     scalars_capacity: int
     holders: _containers.RepeatedScalarFieldContainer[str]
     razor: RazorInfo
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ...) -> None: ...
+    discard_after: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., discard_after: _Optional[int] = ...) -> None: ...
 
 class RazorInfo(_message.Message):
     __slots__ = ("group", "state_bytes", "redundant_bytes", "shard_bytes", "reason", "verifications", "mismatches")

@@ -82,6 +82,7 @@ class LocalShard:
     chain: list = field(default_factory=list)
     wake: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
+    report_lock: threading.Lock = field(default_factory=threading.Lock)  # see report()
     stop: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     last_push: float = 0.0
@@ -95,8 +96,13 @@ class LocalShard:
         return min((h.acked for h in self.holders), default=0)
 
     def report(self) -> None:
-        """Writes ``replicated_version`` into the slot header, where the worker's commit reads its lag."""
-        self.slots.set_replicated(self.replicated_version)
+        """Writes ``replicated_version`` into the slot header, where the worker's commit reads its lag.
+
+        Pushes to several holders report from their own threads, and a reset swaps the holders: each
+        computes and writes under ``report_lock``, so the last write is always the current minimum.
+        """
+        with self.report_lock:
+            self.slots.set_replicated(self.replicated_version)
 
     @property
     def paths(self) -> list[Path]:
@@ -152,13 +158,21 @@ class Replicator:
     def holders(self, addresses: list[str] | None = None) -> list[Holder]:
         return [Holder(p, self.make_client(p)) for p in (self.peers if addresses is None else addresses)]
 
-    def reset(self, shard: LocalShard, addresses: list[str] | None = None) -> None:
-        """Forgets what the holders have (a worker re-attached, e.g. after stepping back): full versions next."""
+    def reset(self, shard: LocalShard, addresses: list[str] | None = None, discard_after: int | None = None) -> None:
+        """Forgets what the holders have (a worker re-attached, e.g. after stepping back): full versions next.
+
+        With ``discard_after``, first un-commits the slots' versions newer than it (the steps the worker
+        redoes), in the same round lock: between the reset and the worker's own view of its slots, the
+        replicator would otherwise take them as new versions.
+        """
         with shard.lock:
-            old = shard.holders
-            shard.holders = self.holders(addresses)
-            shard.base, shard.base_version, shard.chain = None, 0, []
-            shard.report()
+            if discard_after is not None:
+                shard.slots.discard_newer(discard_after)
+            with shard.report_lock:
+                old = shard.holders
+                shard.holders = self.holders(addresses)
+                shard.base, shard.base_version, shard.chain = None, 0, []
+                shard.slots.set_replicated(0)
         for h in old:
             h.client.close()
 

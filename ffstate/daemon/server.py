@@ -184,7 +184,8 @@ class Daemon(pb_grpc.ReplicaServicer):
                         f"{key} is attached with layout {shard.manifest.layout_id}; this worker's state has layout "
                         f"{manifest.layout_id} (a different model?). Drop the job first or use another job id",
                         "FAILED_PRECONDITION")
-                self.replicator.reset(shard, holders)
+                discard = request.discard_after if request.HasField("discard_after") else None
+                self.replicator.reset(shard, holders, discard_after=discard)
                 log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
                          [h.address for h in shard.holders])
             else:
