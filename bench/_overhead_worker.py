@@ -11,7 +11,8 @@ rank's whole state replicated). The daemons of each scheduler policy listen on t
 model, so its first commit sends a full version; step times are taken from the third step on, and
 the bytes on the wire per step are the daemon's counters between the second and the last commit
 (deltas only), as are the training's collectives the node's daemon saw, those that met a chunk and
-the seconds chunks overlapped them; ``ff.commit``'s time is taken per step.
+the seconds chunks overlapped them; ``ff.commit``'s time, and the forward's, backward's and optimizer
+step's, are taken per step.
 Every rank writes ``DIR/overhead-rank<R>.json``.
 """
 
@@ -69,19 +70,25 @@ def main() -> None:
     vocab, seq = SIZES[a.size]["vocab"], SIZES[a.size]["seq"]
     counter = iter(range(1 << 30))
 
-    def train_step() -> None:
+    def train_step() -> list[float]:
+        """One step; returns the seconds of its forward, backward and optimizer step (under FSDP2 the
+        all-gathers are in the first two, the reduce-scatters in the second)."""
         g = torch.Generator().manual_seed(1_000_003 * next(counter) + rank)
         idx = torch.randint(0, vocab, (a.batch, seq + 1), generator=g)
+        t0 = time.perf_counter()
         logits = model(idx[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), idx[:, 1:].reshape(-1))
+        t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        return [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
     modes = a.modes.split(",")
     results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
                                     "drain_seconds": [], "collectives": 0, "collisions": 0, "overlap_seconds": 0.0,
-                                    "commit_seconds": [], "steps_run": 0}
+                                    "commit_seconds": [], "part_seconds": [], "steps_run": 0}
                for m in modes}
     for r in range(a.repeats):
         # Each repeat starts one mode later, so that no mode always follows the same one (a phase pays for
@@ -92,9 +99,10 @@ def main() -> None:
             if mode == "off":
                 for i in range(a.steps):
                     start = time.perf_counter()
-                    train_step()
+                    parts = train_step()
                     if i >= FIRST_TIMED:
                         res["step_seconds"].append(time.perf_counter() - start)
+                        res["part_seconds"].append(parts)
                 continue
             razor, scheduler = MODES[mode]
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
@@ -104,12 +112,13 @@ def main() -> None:
             with ffstate.replicate(model, opt, config=cfg) as ff:
                 for i in range(a.steps):
                     start = time.perf_counter()
-                    train_step()
+                    parts = train_step()
                     trained = time.perf_counter()
                     ff.commit(i + 1)
                     if i >= FIRST_TIMED:
                         res["step_seconds"].append(time.perf_counter() - start)
                         res["commit_seconds"].append(time.perf_counter() - trained)
+                        res["part_seconds"].append(parts)
                     if i == 1:
                         before = ff.stats(wait=60)
                 # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),

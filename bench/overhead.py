@@ -18,7 +18,8 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``, pooled
 over phases and paired (each phase against the ``off`` phase of its repeat, median over repeats); the
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
-it replicates; the time ``ff.commit`` held the loop; the training's collectives that started while a
+it replicates; the time ``ff.commit`` held the loop, and the forward's, backward's and optimizer step's (where the
+collectives and their collisions show); the training's collectives that started while a
 replication chunk was on the wire and the seconds chunks shared the link with collectives (counted by
 the daemons from the workers' marks: what the pacing is for, without a noisy step time); and the
 daemons' CPU per step (from /proc).
@@ -153,6 +154,11 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
         # A step takes as long as its slowest rank: the median over steps of the per-step maximum.
         steps = [max(ts) for ts in zip(*(p["step_seconds"] for p in per_rank))]
         row = {"step_seconds": statistics.median(steps)}
+        # Where the step's time goes: the forward, backward and optimizer step, each the slowest rank's, median.
+        if all(p.get("part_seconds") for p in per_rank):
+            row["part_seconds"] = [statistics.median(max(ps[i] for ps in step_parts)
+                                                     for step_parts in zip(*(p["part_seconds"] for p in per_rank)))
+                                   for i in range(3)]
         n = len(steps) // repeats if repeats and len(steps) % repeats == 0 else 0
         phases[mode] = [statistics.median(steps[i * n:(i + 1) * n]) for i in range(repeats)] if n else []
         if mode != "off":
@@ -223,6 +229,7 @@ def report(result: dict) -> str:
             rows.append([parallel, mode, f"{row['step_seconds'] * 1e3:.0f}",
                          f"{row['step_ratio']:.3f}" if row.get("step_ratio") else "-",
                          f"{row['step_ratio_paired']:.3f}" if row.get("step_ratio_paired") else "-",
+                         " / ".join(f"{s * 1e3:.1f}" for s in row["part_seconds"]) if "part_seconds" in row else "-",
                          f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-",
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
@@ -238,8 +245,8 @@ def report(result: dict) -> str:
             f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}"
             f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
-    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired", "commit ms",
-                                             "wire MB/step/rank",
+    return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired",
+                                             "fwd / bwd / opt ms", "commit ms", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
                                              "daemon CPU ms/step"])])

@@ -57,5 +57,9 @@ def test_overhead_paired_ratio_cancels_the_machine_drifting_between_repeats():
     assert out["naive"]["step_ratio_per_repeat"] == pytest.approx([1.1, 1.1, 1.1])
     assert out["naive"]["step_ratio_paired"] == pytest.approx(1.1)
     assert out["off"]["step_ratio_paired"] == 1.0
+    # The step's parts are the slowest rank's, per step, then the median over steps.
+    fast = {"results": {"off": {"step_seconds": off, "part_seconds": [[0.1, 0.2, 0.3]] * 6}}}
+    slow = {"results": {"off": {"step_seconds": off, "part_seconds": [[0.2, 0.1, 0.3]] * 5 + [[9, 9, 9]]}}}
+    assert summarize("ddp", [fast, slow], ["off"], repeats=3)["off"]["part_seconds"] == [0.2, 0.2, 0.3]
     # Where the phases do not split evenly into repeats there is no paired ratio, only the pooled one.
     assert "step_ratio_paired" not in summarize("ddp", [rank(off, on)], ["off", "naive"], repeats=4)["naive"]
