@@ -139,7 +139,7 @@ def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
 def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
     a = daemons.start()
     run_writer(a, "j5", 2, tmp_path)
-    slots = list(Path("/dev/shm").glob(f"ffstate-{a.node_id}-*"))
+    slots = list(shm.SHM_DIR.glob(f"ffstate-{a.node_id}-*"))
     assert len(slots) == 2
     assert a.terminate() == 0
     assert not any(p.exists() for p in slots)
