@@ -85,11 +85,14 @@ def test_rank_killed_mid_step_or_mid_commit_resumes_bit_exact_losing_at_most_one
 def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
     job = f"t{uuid.uuid4().hex[:6]}"
     env = env_for(tmp_path, job)
-    torchrun(tmp_path / "out", env, "--kill-rank", "2", "--kill-step", "3", "--kill-node", "1", "--kill-node-step", "8")
+    proc = torchrun(tmp_path / "out", env, "--kill-rank", "2", "--kill-step", "3", "--kill-node", "1",
+                    "--kill-node-step", "8")
     events = restores(tmp_path, job)
     first = [e for e in events if e["attempt"] == 1]
     second = [e for e in events if e["attempt"] == 2]
-    assert {e["version"] for e in first} == {3}
+    # Once (a make test run under load) attempt 1 ended before any rank restored, and no error was recorded:
+    # should it happen again, the events and torchrun's log say more.
+    assert {e["version"] for e in first} == {3}, (events, proc.stderr[-6000:])
     assert len({e["version"] for e in second}) == 1  # one consistent version (I3)
     assert all(e["steps_lost"] <= Config().max_lag for e in second)
     node0 = f"127.0.0.1:{env['FFSTATE_BASE_PORT']}"
