@@ -36,6 +36,8 @@ SIZES = {  # TinyGPT shapes; fp32 model + AdamW state is about 12 bytes per para
     "small": dict(vocab=256, dim=64, heads=4, layers=2, seq=64),
     "medium": dict(vocab=1024, dim=256, heads=8, layers=4, seq=64),
     "large": dict(vocab=4096, dim=512, heads=8, layers=8, seq=128),
+    # Many small tensors (about 7,700 with AdamW's), where a commit's per-tensor costs show, not its copy.
+    "deep": dict(vocab=256, dim=32, heads=2, layers=160, seq=32),
 }
 
 

@@ -20,24 +20,44 @@ import torch
 log = logging.getLogger("ffstate.capture")
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
+_DTENSOR: type | None = None
 
-    return isinstance(t, DTensor)
+
+def _dtensor_type() -> type:
+    global _DTENSOR
+    if _DTENSOR is None:
+        from torch.distributed.tensor import DTensor
+
+        _DTENSOR = DTensor
+    return _DTENSOR
+
+
+def _is_dtensor(t: Any) -> bool:
+    return isinstance(t, _dtensor_type())
 
 
 def local(tree: Any) -> Any:
     """The same nesting with every DTensor replaced by its local shard (a plain tensor, same storage)."""
-    if _is_dtensor(tree):
-        return tree.to_local()
-    if isinstance(tree, dict):
-        out = type(tree)((k, local(v)) for k, v in tree.items())
-        if hasattr(tree, "_metadata"):
-            out._metadata = tree._metadata
-        return out
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(local(v) for v in tree)
-    return tree
+    dtensor, tensor = _dtensor_type(), torch.Tensor
+
+    def go(x: Any) -> Any:
+        t = type(x)
+        if t is dict:  # the common containers first, by exact type: a commit walks every one of them
+            return {k: go(v) for k, v in x.items()}
+        if isinstance(x, tensor):
+            return x.to_local() if isinstance(x, dtensor) else x
+        if t is list:
+            return [go(v) for v in x]
+        if isinstance(x, dict):
+            out = t((k, go(v)) for k, v in x.items())
+            if hasattr(x, "_metadata"):
+                out._metadata = x._metadata
+            return out
+        if isinstance(x, (list, tuple)):
+            return t(go(v) for v in x)
+        return x
+
+    return go(tree)
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None) -> dict:

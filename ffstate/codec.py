@@ -179,30 +179,56 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, c
         raise CodecError(f"pack_into needs a flat contiguous uint8 buffer, got {out.dtype} of shape {list(out.shape)}")
     if out.numel() < current.nbytes:
         raise CodecError(f"buffer of {out.numel()} bytes is too small for this state ({current.nbytes} bytes)")
-    placed = list(layout.iter_placed(current, arrays))
     if _use_kernels(out):
         from ffstate import kernels
 
-        kernels.gather(placed, out)
+        kernels.gather(list(layout.iter_placed(current, arrays)), out)
     else:
         if targets is None:
             targets = pack_targets(out, current)
-        dsts, srcs = [], []
+        plan = _pack_plan(current)
+        if len(targets) != len(plan.arrays) + len(plan.bools) + len(plan.plain):
+            raise CodecError(f"{len(targets)} targets for a layout of {len(plan.arrays) + len(plan.bools) + len(plan.plain)} "
+                             "tensors with bytes: pass pack_targets(out, manifest) of this manifest")
         with torch.no_grad():
-            for (spec, a), dst in zip(placed, targets, strict=True):
-                if spec.kind == "ndarray":
-                    dst.copy_(layout.array_bytes(a))
-                elif a.dtype == torch.bool:  # as bytes: a bool copy may normalise them to 0/1
-                    dst.view(torch.uint8).copy_(a.view(torch.uint8))
-                else:
-                    dsts.append(dst)
-                    srcs.append(a)
-            # One call for all the tensors (same dtypes pairwise; a loop of copy_ where devices differ):
-            # a third of the per-tensor copy_ calls' cost at 114 tensors.
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
+            for j, i in plan.arrays:
+                targets[j].copy_(layout.array_bytes(arrays[i]))
+            for j, i in plan.bools:  # as bytes: a bool copy may normalise them to 0/1
+                targets[j].view(torch.uint8).copy_(arrays[i].view(torch.uint8))
+            # One call for all the other tensors (same dtypes pairwise; a loop of copy_ where devices
+            # differ): a third of the per-tensor copy_ calls' cost at 114 tensors.
+            if plan.plain:
+                torch._foreach_copy_([targets[j] for j, _ in plan.plain], [arrays[i] for _, i in plan.plain])
     buf = out[: current.nbytes]
     return Snapshot(current, buf, buffer_checksum(buf) if checksum else None)
+
+
+@dataclass(frozen=True)
+class _PackPlan:
+    """How ``pack_into`` copies a layout's tensors, as (target position, leaf index) pairs: numpy arrays,
+    bool tensors (copied as bytes), and the rest (one ``_foreach_copy_``). Targets are the tensors with
+    bytes, in manifest order (``pack_targets``)."""
+
+    arrays: tuple[tuple[int, int], ...]
+    bools: tuple[tuple[int, int], ...]
+    plain: tuple[tuple[int, int], ...]
+
+
+_PLANS: dict[str, _PackPlan] = {}  # by layout id; a few layouts at most
+
+
+def _pack_plan(manifest: Manifest) -> _PackPlan:
+    plan = _PLANS.get(manifest.layout_id)
+    if plan is None:
+        placed = [(i, s) for i, s in enumerate(manifest.tensors) if s.nbytes]
+        plan = _PackPlan(
+            tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind == "ndarray"),
+            tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind != "ndarray" and s.dtype == "bool"),
+            tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind != "ndarray" and s.dtype != "bool"))
+        if len(_PLANS) >= 16:
+            _PLANS.clear()
+        _PLANS[manifest.layout_id] = plan
+    return plan
 
 
 def pack_targets(out: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:

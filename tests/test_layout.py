@@ -160,3 +160,67 @@ def test_map_location_moves_tensors():
 def test_garbage_manifest_bytes_raise_codec_error(text):
     with pytest.raises(CodecError):
         layout.Manifest.from_json(text)
+
+
+def _commit_like_state():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    od = collections.OrderedDict([("w", torch.ones(2)), ("flag", torch.tensor([True, False]))])
+    od._metadata = {"": {"version": 1}}
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "od": od, "t": (1, None, 2.5, b"\x01"),
+            "size": torch.Size([2, 3]), 3: {np.int64(4): np.float32(1.5)}, "arr": np.arange(5, dtype=np.int16),
+            "param": torch.nn.Parameter(torch.randn(3)), "empty": torch.zeros(0), "rng": capture_rng()}
+
+
+def capture_rng():
+    from ffstate import capture
+
+    return capture.rng_state()
+
+
+def test_the_commit_walk_gives_what_flatten_gives_without_paths():
+    # analyze_known (every commit after the first) walks without building paths: same tree, leaves, scalars.
+    state = _commit_like_state()
+    tree, leaves, scalars = layout.flatten(state)
+    fast = layout._flatten_fast(state)
+    assert fast[0] == tree and fast[2] == scalars
+    assert len(fast[1]) == len(leaves) and all(a is b for a, (_, b) in zip(fast[1], leaves))
+    m = layout.describe(state)
+    current, arrays = layout.analyze_known(state, m)
+    assert current == m and all(a is b for a, (_, b) in zip(arrays, leaves))
+    # Packed through the known layout, then unpacked: every bit back (bools as bytes, arrays, params).
+    out = layout.alloc_buffer(m)
+    codec.pack_into(state, out, m)
+    assert_bitwise_equal(codec.unpack(codec.Snapshot(m, out[: m.nbytes], None)), state)
+
+
+@pytest.mark.parametrize("change", [
+    lambda s: s["model"].__setitem__("0.weight", torch.zeros(3, 5)),  # shape
+    lambda s: s["model"].__setitem__("0.bias", torch.zeros(3, dtype=torch.float64)),  # dtype
+    lambda s: s.__setitem__("param", s["param"].detach()),  # a Parameter no more
+    lambda s: s.__setitem__("arr", np.arange(5, dtype=np.int32)),  # a numpy dtype
+    lambda s: s.__setitem__("arr", torch.arange(5, dtype=torch.int16)),  # an array became a tensor
+    lambda s: s["optim"]["param_groups"][0].__setitem__("extra", 1),  # the nesting
+    lambda s: s.__setitem__("t", [1, None, 2.5, b"\x01"]),  # a tuple became a list
+], ids=["shape", "dtype", "kind", "np-dtype", "array-to-tensor", "nesting", "container"])
+def test_the_commit_walk_sees_every_layout_change(change):
+    state = _commit_like_state()
+    m = layout.describe(state)
+    change(state)
+    current, _ = layout.analyze_known(state, m)
+    assert current.layout_id != m.layout_id
+    with pytest.raises(CodecError, match="layout changed"):
+        codec.pack_into(state, layout.alloc_buffer(m), m)
+
+
+@pytest.mark.parametrize("bad", [{"s": {1, 2}}, {"dd": collections.defaultdict(int)}, {"f": lambda x: x},
+                                 {"nt": collections.namedtuple("P", "x")(1)}],
+                         ids=["set", "defaultdict", "function", "namedtuple"])
+def test_the_commit_walk_leaves_unusual_values_to_flatten_and_its_error(bad):
+    state = {"w": torch.zeros(2)}
+    m = layout.describe(state)
+    with pytest.raises(CodecError, match=next(iter(bad))):
+        layout.analyze_known({**state, **bad}, m)
+
