@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ffstate import layout
+
 log = logging.getLogger("ffstate.capture")
 
 
@@ -72,6 +74,7 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
     return state
 
 
+@layout.gc_paused()  # load_state_dict builds a dict per module and per parameter
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None,
             state: dict) -> None:
     load_model(model, state["model"])

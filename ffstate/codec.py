@@ -248,6 +248,7 @@ _PIECE_BYTES = 1 << 20
 _SMALL_BYTES = 64 << 10  # pieces below this are copied together and summed from the buffer, by span
 
 
+@layout.gc_paused()
 def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
     """``unpack`` (into new tensors, each its own storage) and ``buffer_checksum`` of a CPU buffer, in one pass.
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
+import gc
 import hashlib
 import json
 import struct
@@ -51,6 +53,25 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # Bounds on a manifest built from untrusted bytes (I6); generous for any real model.
 MAX_TENSORS = 1 << 22
 MAX_NDIM = 64
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a large nesting of containers is built or walked.
+
+    None of them is cyclic garbage, but the collections their allocations trigger traverse every
+    object of the process, a large model's included: at 7,700 tensors (375,000 objects) parsing a
+    manifest took 250 ms with the collector on and 63 ms with it off, and a commit's walk met
+    200-ms collections. What the section frees it frees by reference counting, so the collector
+    resumes where it was. It is resumed only if it was on at entry (sections nest).
+    """
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -116,6 +137,11 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes | memoryview) -> "Manifest":
         """Parses and validates a manifest from untrusted bytes; raises CodecError when malformed."""
+        with gc_paused():
+            return Manifest._from_json(data)
+
+    @staticmethod
+    def _from_json(data: bytes | memoryview) -> "Manifest":
         try:
             obj = json.loads(bytes(data))
             if len(obj["tensors"]) > MAX_TENSORS:
@@ -490,6 +516,7 @@ def iter_placed(manifest: Manifest, arrays: Sequence[Any]) -> Iterator[tuple[Ten
             yield spec, a
 
 
+@gc_paused()
 def materialize(manifest: Manifest, buf: torch.Tensor, map_location: Any = None) -> Any:
     """The state held by ``buf``, as new tensors (on their recorded device, or ``map_location``).
 

@@ -158,12 +158,14 @@ class Replicated:
         """
         if step <= self._last:
             raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase")
-        state = self._capture(step)
-        if self._slots is None:
-            self._attach(state)
-        block = self.holders and self.cfg.lag_policy == "block"
-        # The daemon reads a slot within milliseconds; seconds without it mean it is overloaded or gone.
-        self._slots.commit(state, step, wait=SLOT_WAIT if block else 0.0)
+        with layout.gc_paused():  # the state's containers, dropped at the end: no collection over the model's objects
+            state = self._capture(step)
+            if self._slots is None:
+                self._attach(state)
+            block = self.holders and self.cfg.lag_policy == "block"
+            # The daemon reads a slot within milliseconds; seconds without it mean it is overloaded or gone.
+            self._slots.commit(state, step, wait=SLOT_WAIT if block else 0.0)
+            del state
         self._last = step
         if not self.holders:
             return
@@ -318,6 +320,12 @@ class Replicated:
         if v == 0:
             log.info("rank %d: no replicas of job %s: starting at step 0", me, self.job)
             return
+        with layout.gc_paused():
+            self._load(v, last, needed, available, lookups, daemons)
+
+    def _load(self, v: int, last: int, needed: list[int], available: dict, lookups: dict, daemons: dict) -> None:
+        """Fetches version ``v`` of this rank's shard (and its razor group's parts) and loads it."""
+        me = self.rank
         start = time.perf_counter()
         shards = recovery.fetch_ranks(self.job, self.world, v, available, lookups, daemons)  # in parallel
         mine = shards[me]

@@ -224,3 +224,22 @@ def test_the_commit_walk_leaves_unusual_values_to_flatten_and_its_error(bad):
     with pytest.raises(CodecError, match=next(iter(bad))):
         layout.analyze_known({**state, **bad}, m)
 
+
+def test_gc_paused_nests_and_resumes_the_collector_only_if_it_was_on():
+    import gc
+
+    assert gc.isenabled()
+    with pytest.raises(CodecError):  # an error inside still resumes it
+        with layout.gc_paused():
+            assert not gc.isenabled()
+            with layout.gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the inner section found it off: it stays off
+            layout.Manifest.from_json(b"{}")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        layout.Manifest.from_json(layout.describe({"w": torch.zeros(2)}).to_json())
+        assert not gc.isenabled()  # a user who turned it off keeps it off
+    finally:
+        gc.enable()
