@@ -214,21 +214,18 @@ class _PackPlan:
     plain: tuple[tuple[int, int], ...]
 
 
-_PLANS: dict[str, _PackPlan] = {}  # by layout id; a few layouts at most
+_PLANS: dict[str, _PackPlan] = {}  # by layout id (layout.per_layout)
 
 
 def _pack_plan(manifest: Manifest) -> _PackPlan:
-    plan = _PLANS.get(manifest.layout_id)
-    if plan is None:
-        placed = [(i, s) for i, s in enumerate(manifest.tensors) if s.nbytes]
-        plan = _PackPlan(
+    def build(m: Manifest) -> _PackPlan:
+        placed = [(i, s) for i, s in enumerate(m.tensors) if s.nbytes]
+        return _PackPlan(
             tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind == "ndarray"),
             tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind != "ndarray" and s.dtype == "bool"),
             tuple((j, i) for j, (i, s) in enumerate(placed) if s.kind != "ndarray" and s.dtype != "bool"))
-        if len(_PLANS) >= 16:
-            _PLANS.clear()
-        _PLANS[manifest.layout_id] = plan
-    return plan
+
+    return layout.per_layout(_PLANS, manifest, build)
 
 
 def pack_targets(out: torch.Tensor, manifest: Manifest) -> list[torch.Tensor]:

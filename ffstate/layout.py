@@ -394,20 +394,25 @@ def _flatten_fast(state: Any) -> tuple[Any, list[Any], list[Any]]:
     return walk(state), arrays, scalars
 
 
-# What each leaf of a layout must be: (numpy dtype string or None for a tensor, torch dtype, shape, is a
-# Parameter), by layout id (the id covers the names, dtypes, shapes and kinds). A few layouts at most.
+def per_layout(cache: dict[str, Any], manifest: Manifest, build: Any) -> Any:
+    """``build(manifest)``, computed once per layout id (the id covers the names, dtypes, shapes and kinds)
+    and kept in ``cache``: what every commit of a layout needs again. A process sees a few layouts at most."""
+    got = cache.get(manifest.layout_id)
+    if got is None:
+        got = build(manifest)
+        if len(cache) >= 16:
+            cache.clear()
+        cache[manifest.layout_id] = got
+    return got
+
+
+# What each leaf of a layout must be: (numpy dtype string or None for a tensor, torch dtype, shape, is a Parameter).
 _EXPECTED: dict[str, list[tuple[str | None, torch.dtype, tuple[int, ...], bool]]] = {}
 
 
 def _expected(manifest: Manifest) -> list[tuple[str | None, torch.dtype, tuple[int, ...], bool]]:
-    got = _EXPECTED.get(manifest.layout_id)
-    if got is None:
-        got = [(s.np_dtype if s.kind == "ndarray" else None, DTYPES[s.dtype], s.shape, s.kind == "param")
-               for s in manifest.tensors]
-        if len(_EXPECTED) >= 16:
-            _EXPECTED.clear()
-        _EXPECTED[manifest.layout_id] = got
-    return got
+    return per_layout(_EXPECTED, manifest, lambda m: [
+        (s.np_dtype if s.kind == "ndarray" else None, DTYPES[s.dtype], s.shape, s.kind == "param") for s in m.tensors])
 
 
 def _leaves_match(leaves: list[Any], expected: list[tuple[str | None, torch.dtype, tuple[int, ...], bool]]) -> bool:

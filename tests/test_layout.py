@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ffstate import codec, layout
+from ffstate import capture, codec, layout
 from ffstate.errors import CodecError
 from helpers import assert_bitwise_equal, contiguous_bits
 
@@ -79,8 +79,6 @@ def test_training_state_with_rng_states_roundtrips():
 
 
 def test_captured_rng_states_go_back_through_a_snapshot_and_draw_the_same_numbers():
-    from ffstate import capture
-
     random.seed(5)
     random.gauss(0, 1)  # leaves a cached Gaussian in Python's state: it must come back too
     np.random.seed(6)
@@ -171,13 +169,7 @@ def _commit_like_state():
     od._metadata = {"": {"version": 1}}
     return {"model": model.state_dict(), "optim": opt.state_dict(), "od": od, "t": (1, None, 2.5, b"\x01"),
             "size": torch.Size([2, 3]), 3: {np.int64(4): np.float32(1.5)}, "arr": np.arange(5, dtype=np.int16),
-            "param": torch.nn.Parameter(torch.randn(3)), "empty": torch.zeros(0), "rng": capture_rng()}
-
-
-def capture_rng():
-    from ffstate import capture
-
-    return capture.rng_state()
+            "param": torch.nn.Parameter(torch.randn(3)), "empty": torch.zeros(0), "rng": capture.rng_state()}
 
 
 def test_the_commit_walk_gives_what_flatten_gives_without_paths():
