@@ -37,7 +37,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 import ffstate
 from ffstate import capture, layout, recovery
@@ -52,6 +51,8 @@ WAYS = ("ffstate", "torch.save", "dcp.save", "dcp.async_save")
 
 
 def measure(size: str, repeats: int, work: Path, token: str) -> dict:
+    import torch.distributed.checkpoint as dcp  # here: 0.7 s to import, which every `ffstate` command would pay
+
     torch.manual_seed(0)
     model = TinyGPT(**SIZES[size])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
