@@ -39,15 +39,19 @@ def _is_dtensor(t: Any) -> bool:
 
 
 def local(tree: Any) -> Any:
-    """The same nesting with every DTensor replaced by its local shard (a plain tensor, same storage)."""
-    dtensor, tensor = _dtensor_type(), torch.Tensor
+    """The same nesting with every DTensor replaced by its local shard (a plain tensor, same storage), and
+    every Parameter or tensor that requires grad by its ``detach()``: what ``state_dict()`` gives without
+    ``keep_vars``, from a ``state_dict(keep_vars=True)`` (which skips DTensor.detach, 10 us a parameter)."""
+    dtensor, tensor, parameter = _dtensor_type(), torch.Tensor, torch.nn.Parameter
 
     def go(x: Any) -> Any:
         t = type(x)
         if t is dict:  # the common containers first, by exact type: a commit walks every one of them
             return {k: go(v) for k, v in x.items()}
         if isinstance(x, tensor):
-            return x.to_local() if isinstance(x, dtensor) else x
+            if isinstance(x, dtensor):
+                x = x.to_local()
+            return x.detach() if x.requires_grad or (type(x) is not tensor and isinstance(x, parameter)) else x
         if t is list:
             return [go(v) for v in x]
         if isinstance(x, dict):
@@ -65,8 +69,11 @@ def local(tree: Any) -> Any:
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: dict | None) -> dict:
     # Without grad mode, DTensor.to_local returns the local shard itself instead of going through an autograd
     # Function: the same bits and layout, half the capture's time under FSDP2 (1.1 -> 0.6 ms at 114 tensors).
+    # keep_vars: the parameters themselves, detached by `local` (a plain tensor's detach is cheap, a
+    # DTensor's goes through DTensor's dispatch): the same dict as state_dict() gives.
     with torch.no_grad():
-        state = {"model": local(model.state_dict()), "optim": local(optimizer_state(optimizer)), "rng": rng_state()}
+        state = {"model": local(model.state_dict(keep_vars=True)), "optim": local(optimizer_state(optimizer)),
+                 "rng": rng_state()}
     if lr_scheduler is not None:
         state["sched"] = lr_scheduler.state_dict()
     if extra is not None:

@@ -235,3 +235,34 @@ def test_gc_paused_nests_and_resumes_the_collector_only_if_it_was_on():
         assert not gc.isenabled()  # a user who turned it off keeps it off
     finally:
         gc.enable()
+
+
+def _same_leaves(got: dict, want: dict) -> None:
+    """The same names, in order, and each the same tensor as state_dict() gives: plain, detached, the same storage."""
+    assert list(got) == list(want)
+    for k, t in want.items():
+        g = got[k]
+        assert type(g) is type(t) is torch.Tensor, k
+        assert (g.requires_grad, g.dtype, g.shape, g.stride(), g.data_ptr()) == \
+            (t.requires_grad, t.dtype, t.shape, t.stride(), t.data_ptr()), k
+
+
+def test_the_commit_captures_the_tensors_state_dict_gives():
+    # capture reads state_dict(keep_vars=True) and detaches what needs it: the same dict as state_dict(), for
+    # trainable and frozen parameters, persistent buffers (non-persistent ones left out) and a Parameter subclass.
+    class Scaled(torch.nn.Parameter):
+        pass
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    model[2].weight.requires_grad_(False)
+    model[0].register_buffer("scratch", torch.ones(2), persistent=False)
+    model[2].register_parameter("scale", Scaled(torch.ones(1)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    got = capture.capture(model, opt, None, None)
+    _same_leaves(got["model"], model.state_dict())
+    assert "0.scratch" not in got["model"] and got["model"]["2.scale"].dtype == torch.float32
+    want = {"model": model.state_dict(), "optim": opt.state_dict(), "rng": got["rng"]}
+    assert layout.describe(got).layout_id == layout.describe(want).layout_id
+    assert_bitwise_equal(got, want)

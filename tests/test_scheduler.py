@@ -172,7 +172,8 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
 
 def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
     """FSDP2 has no DDP hook: its all-gathers and reduce-scatters are marked through FSDPModule's custom
-    collectives, which must leave the training bit for bit as it was (real torchrun, 2 gloo ranks)."""
+    collectives, which must leave the training bit for bit as it was (real torchrun, 2 gloo ranks). The
+    commit's capture of the sharded model must be state_dict()'s local shards."""
     import json
     import subprocess
     import sys
@@ -188,3 +189,4 @@ def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
         # per step: 3 all-gathers forward, 2 again backward (the root stays unsharded), 3 reduce-scatters
         assert got["counts"] == [8, 16, 24] and got["inflight"] == 0
         assert got["tensors"] > 100 and got["differ"] == []
+        assert got["capture_differs"] == []  # the commit reads state_dict(keep_vars=True): the same tensors

@@ -1,6 +1,7 @@
 """torchrun, 2 ranks: FSDP2 (fully_shard) trained twice from the same seed, once with its collectives marked for
 the scheduler (``capture.mark_fsdp_collectives``) and once without; writes OUT/rank<R>.json with the marks
-counted per step and whether every parameter and optimizer tensor came out bit-identical.
+counted per step and whether every parameter and optimizer tensor came out bit-identical; and whether the
+commit's capture (``state_dict(keep_vars=True)``, detached) gives the tensors ``state_dict()`` gives.
 
     torchrun --nproc-per-node 2 tests/procs/fsdp_marks.py OUT
 """
@@ -39,7 +40,18 @@ def train(marks: shm.CommMarks | None) -> tuple[dict, list[int], int]:
         opt.step()
         counts.append(marks.count if marks is not None else 0)
     state = capture.local({"model": model.state_dict(), "optim": opt.state_dict()})
-    return state, counts, marked
+    return state, counts, marked, capture_differs(model, opt)
+
+
+def capture_differs(model, opt) -> list[str]:
+    """Names where capture's model entries are not state_dict()'s local shards (type, grad, storage)."""
+    from torch.distributed.tensor import DTensor
+
+    got = capture.capture(model, opt, None, None)["model"]
+    with torch.no_grad():
+        want = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    describe = lambda t: (type(t), t.requires_grad, t.dtype, t.shape, t.stride(), t.data_ptr())  # noqa: E731
+    return [k for k in want if k not in got or describe(got[k]) != describe(want[k])] + sorted(set(got) - set(want))
 
 
 def flat(tree, prefix=""):
@@ -53,14 +65,14 @@ def flat(tree, prefix=""):
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
-    plain, _, _ = train(None)
+    plain, _, _, _ = train(None)
     marks = shm.CommMarks()
-    marked_state, counts, marked = train(marks)
+    marked_state, counts, marked, captured = train(marks)
     a, b = dict(flat(plain)), dict(flat(marked_state))
     differ = [k for k in a if k not in b or not torch.equal(bits(a[k]), bits(b[k]))]
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(
         {"marked_modules": marked, "counts": counts, "inflight": marks._inflight, "tensors": len(a),
-         "differ": differ}))
+         "differ": differ, "capture_differs": captured}))
     dist.destroy_process_group()
 
 
