@@ -2,17 +2,18 @@
 (each repeat starting one mode later than the one before).
 
     torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2
-        [--modes off,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
+        [--modes off,local,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
 
-Modes (``MODES``): ``off`` (no ffstate); ``naive`` (razor on, sent as soon as captured);
-``scheduler`` (razor on, paced into the training's idle windows); ``razor-off`` (the scheduler, every
-rank's whole state replicated). The daemons of each scheduler policy listen on the base port that
-``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``). Each phase is a fresh ffstate job on the same
-model, so its first commit sends a full version; step times are taken from the third step on, and
-the bytes on the wire per step are the daemon's counters between the second and the last commit
-(deltas only), as are the training's collectives the node's daemon saw, those that met a chunk and
-the seconds chunks overlapped them; ``ff.commit``'s time, and the forward's, backward's and optimizer
-step's, are taken per step.
+Modes (``MODES``): ``off`` (no ffstate); ``local`` (ffstate with no replicas: the commit into the
+node's shared memory and the daemon's checksum of it, nothing on the network); ``naive`` (razor on,
+sent as soon as captured); ``scheduler`` (razor on, paced into the training's idle windows);
+``razor-off`` (the scheduler, every rank's whole state replicated). The daemons of each scheduler
+policy listen on the base port that ``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``).
+Each phase is a fresh ffstate job on the same model, so its first commit sends a full version; step
+times are taken from the third step on, and the bytes on the wire per step are the daemon's counters
+between the second and the last commit (deltas only), as are the training's collectives the node's
+daemon saw, those that met a chunk and the seconds chunks overlapped them; ``ff.commit``'s time, and
+the forward's, backward's and optimizer step's, are taken per step.
 Every rank writes ``DIR/overhead-rank<R>.json``.
 """
 
@@ -35,8 +36,9 @@ from ffstate.bench.codec import SIZES
 from ffstate.models import TinyGPT
 
 FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
-MODES = {"naive": ("auto", "naive"), "scheduler": ("auto", "windows"), "razor-off": ("off", "windows"),
-         "razor-on": ("auto", "windows")}  # mode: (Config.razor, the daemons' scheduler)
+# mode: (Config.razor, the daemons' scheduler, Config.replicas)
+MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
+         "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1)}
 
 
 def main() -> None:
@@ -104,9 +106,9 @@ def main() -> None:
                         res["step_seconds"].append(time.perf_counter() - start)
                         res["part_seconds"].append(parts)
                 continue
-            razor, scheduler = MODES[mode]
+            razor, scheduler, replicas = MODES[mode]
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
-            cfg = ffstate.Config.from_env(razor=razor, start_daemon=False, base_port=int(ports[scheduler]),
+            cfg = ffstate.Config.from_env(razor=razor, replicas=replicas, start_daemon=False, base_port=int(ports[scheduler]),
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
             res["steps_run"] += a.steps
             with ffstate.replicate(model, opt, config=cfg) as ff:

@@ -11,6 +11,9 @@ network namespace with its own torchrun agent and daemons, joined by a veth link
 the modes run in interleaved phases of the same training (``bench/_overhead_worker.py``):
 
 - ``off``: no ffstate;
+- ``local``: ffstate with no replicas (k=0): each step's commit into the node's shared memory and the
+  daemon's checksum of it, nothing on the network; what ffstate costs before any replication (its
+  ratio to ``off`` is the commit's share of ``scheduler``'s);
 - ``naive``: ffstate, razor on, every version sent as soon as it is captured;
 - ``scheduler``: ffstate, razor on, paced into the training's idle windows under a share of the link;
 - ``razor-off``: the scheduler, every rank replicating its whole state.
@@ -162,14 +165,14 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
         n = len(steps) // repeats if repeats and len(steps) % repeats == 0 else 0
         phases[mode] = [statistics.median(steps[i * n:(i + 1) * n]) for i in range(repeats)] if n else []
         if mode != "off":
-            row["wire_bytes_per_step_per_rank"] = statistics.median(
-                p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"])
+            wire = [p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"]]
+            row["wire_bytes_per_step_per_rank"] = statistics.median(wire) if wire else 0  # local: nothing sent
             row["replicated_bytes_per_rank"] = statistics.median(p["shard_bytes"] for p in per_rank)
             if all(p.get("commit_seconds") for p in per_rank):  # the part of the step ffstate holds the loop
                 row["commit_seconds"] = statistics.median(max(cs) for cs in zip(*(p["commit_seconds"] for p in per_rank)))
             row["state_bytes_per_rank"] = statistics.median(p["state_bytes"] for p in per_rank)
-            # The slowest rank's lag when a phase's last step was committed, median over phases.
-            if all(p.get("lag_at_end") for p in per_rank):
+            # The slowest rank's lag when a phase's last step was committed, median over phases (none without replicas).
+            if MODES[mode][2] and all(p.get("lag_at_end") for p in per_rank):
                 row["lag_at_end"] = statistics.median(max(ls) for ls in zip(*(p["lag_at_end"] for p in per_rank)))
                 row["drain_seconds"] = statistics.median(
                     max(ds) for ds in zip(*(p["drain_seconds"] for p in per_rank)))
@@ -280,8 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", default="ddp,ddp-zero",
                    help="jobs to run: ddp, ddp-zero, fsdp2 (default: ddp,ddp-zero)")
     p.add_argument("--modes", default="off,naive,scheduler,razor-off",
-                   help="off (no ffstate), naive (razor on, sent at once), scheduler (razor on, paced into idle "
-                        "windows), razor-off (scheduler, whole states); default: all four")
+                   help="off (no ffstate), local (commits, no replicas: ffstate's cost before the network), naive "
+                        "(razor on, sent at once), scheduler (razor on, paced into idle windows), razor-off "
+                        "(scheduler, whole states); default: off,naive,scheduler,razor-off")
     p.add_argument("--link", default="loopback",
                    help="loopback and/or tc rates between 2 network namespaces, e.g. loopback,200mbit (needs root)")
     p.add_argument("--steps", type=int, default=10, help="steps per phase; the first two are not timed (default 10)")

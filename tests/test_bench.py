@@ -14,7 +14,8 @@ import pytest
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
     (["recovery", "--sizes", "small", "--repeats", "1"], "recovery"),
-    (["overhead", "--parallel", "ddp", "--modes", "off,naive,scheduler", "--steps", "4", "--repeats", "1"], "overhead"),
+    (["overhead", "--parallel", "ddp", "--modes", "off,local,naive,scheduler", "--steps", "4", "--repeats", "1"],
+     "overhead"),
 ])
 def test_benchmark_writes_its_results(tmp_path, args, name):
     out = subprocess.run([sys.executable, "-m", "ffstate.cli", "bench", *args, "--out", str(tmp_path)],
@@ -23,6 +24,10 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["benchmark"] == name.split("-")[0]
     assert (tmp_path / f"{name}.png").exists()
+    if name == "overhead":  # local: commits, no replicas, so nothing on the wire and no lag
+        local = result["jobs"]["ddp @ loopback"]["local"]
+        assert local["wire_bytes_per_step_per_rank"] == 0 and "lag_at_end" not in local
+        assert local["commit_seconds"] > 0 and result["jobs"]["ddp @ loopback"]["naive"]["wire_bytes_per_step_per_rank"] > 0
 
 
 def test_simulation_answers_the_way_the_model_says():
