@@ -1,5 +1,5 @@
 """The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn
-(each repeat starting one mode later than the one before).
+(in each repeat an order of a balanced Latin square: ``phase_order``).
 
     torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2
         [--modes off,local,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
@@ -39,6 +39,21 @@ FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseli
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
          "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1)}
+
+
+def phase_order(modes: list[str], r: int) -> list[str]:
+    """The order of the modes' phases in repeat ``r``: the rows of a Williams design (a balanced Latin square;
+    for an odd number n of modes, its rows and then their mirrors). Over n repeats (2n for odd n) each mode
+    runs in each position equally often and follows every other mode equally often: a phase pays for what
+    the one before it left behind (garbage, the daemons' teardown), and the machine drifts within a repeat.
+    A rotation (each repeat starting one mode later) keeps every mode behind the same one."""
+    n = len(modes)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo if len(first) % 2 else hi)
+        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    row = [modes[(i + r) % n] for i in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def main() -> None:
@@ -93,9 +108,7 @@ def main() -> None:
                                     "commit_seconds": [], "part_seconds": [], "steps_run": 0}
                for m in modes}
     for r in range(a.repeats):
-        # Each repeat starts one mode later, so that no mode always follows the same one (a phase pays for
-        # what the one before left behind: garbage, the daemons' teardown).
-        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+        for mode in phase_order(modes, r):
             res = results[mode]
             dist.barrier()
             if mode == "off":

@@ -68,3 +68,22 @@ def test_overhead_paired_ratio_cancels_the_machine_drifting_between_repeats():
     assert summarize("ddp", [fast, slow], ["off"], repeats=3)["off"]["part_seconds"] == [0.2, 0.2, 0.3]
     # Where the phases do not split evenly into repeats there is no paired ratio, only the pooled one.
     assert "step_ratio_paired" not in summarize("ddp", [rank(off, on)], ["off", "naive"], repeats=4)["naive"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_overhead_phases_follow_every_other_mode_equally_often(n):
+    """bench overhead's phase order: over a full cycle of repeats (n, or 2n for odd n) every mode runs in
+    every position equally often and directly after every other mode equally often."""
+    import collections
+    import itertools
+
+    from ffstate.bench._overhead_worker import phase_order
+
+    modes = [f"m{i}" for i in range(n)]
+    cycle = n if n % 2 == 0 else 2 * n
+    rows = [phase_order(modes, r) for r in range(cycle)]
+    assert all(sorted(row) == modes for row in rows)
+    positions = collections.Counter((i, m) for row in rows for i, m in enumerate(row))
+    assert set(positions.values()) == {cycle // n}
+    after = collections.Counter(pair for row in rows for pair in zip(row, row[1:]))
+    assert set(after) == set(itertools.permutations(modes, 2)) and len(set(after.values())) == 1
