@@ -48,10 +48,7 @@ def phase_order(modes: list[str], r: int) -> list[str]:
     the one before it left behind (garbage, the daemons' teardown), and the machine drifts within a repeat.
     A rotation (each repeat starting one mode later) keeps every mode behind the same one."""
     n = len(modes)
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
-        first.append(lo if len(first) % 2 else hi)
-        lo, hi = (lo + 1, hi) if len(first) % 2 == 0 else (lo, hi - 1)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
     row = [modes[(i + r) % n] for i in first]
     return row[::-1] if n % 2 and (r // n) % 2 else row
 
