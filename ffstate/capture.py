@@ -42,7 +42,7 @@ def local(tree: Any) -> Any:
     """The same nesting with every DTensor replaced by its local shard (a plain tensor, same storage), and
     every Parameter or tensor that requires grad by its ``detach()``: what ``state_dict()`` gives without
     ``keep_vars``, from a ``state_dict(keep_vars=True)`` (which skips DTensor.detach, 10 us a parameter)."""
-    dtensor, tensor, parameter = _dtensor_type(), torch.Tensor, torch.nn.Parameter
+    dtensor, tensor, is_parameter = _dtensor_type(), torch.Tensor, layout.is_parameter
 
     def go(x: Any) -> Any:
         t = type(x)
@@ -51,7 +51,7 @@ def local(tree: Any) -> Any:
         if isinstance(x, tensor):
             if isinstance(x, dtensor):
                 x = x.to_local()
-            return x.detach() if x.requires_grad or (type(x) is not tensor and isinstance(x, parameter)) else x
+            return x.detach() if x.requires_grad or is_parameter(x) else x
         if t is list:
             return [go(v) for v in x]
         if isinstance(x, dict):

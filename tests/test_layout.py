@@ -173,12 +173,12 @@ def _commit_like_state():
 
 
 def test_the_commit_walk_gives_what_flatten_gives_without_paths():
-    # analyze_known (every commit after the first) walks without building paths: same tree, leaves, scalars.
+    # analyze_known (every commit after the first) walks in step with the known tree: flatten's leaves and scalars.
     state = _commit_like_state()
     tree, leaves, scalars = layout.flatten(state)
-    fast = layout._flatten_fast(state)
-    assert fast[0] == tree and fast[2] == scalars
-    assert len(fast[1]) == len(leaves) and all(a is b for a, (_, b) in zip(fast[1], leaves))
+    fast = layout._match_known(state, tree)
+    assert fast is not None and fast[1] == scalars
+    assert len(fast[0]) == len(leaves) and all(a is b for a, (_, b) in zip(fast[0], leaves))
     m = layout.describe(state)
     current, arrays = layout.analyze_known(state, m)
     assert current == m and all(a is b for a, (_, b) in zip(arrays, leaves))
@@ -186,6 +186,10 @@ def test_the_commit_walk_gives_what_flatten_gives_without_paths():
     out = layout.alloc_buffer(m)
     codec.pack_into(state, out, m)
     assert_bitwise_equal(codec.unpack(codec.Snapshot(m, out[: m.nbytes], None)), state)
+    # A new value of a scalar is not a new layout: the same layout with the new scalars.
+    state["optim"]["param_groups"][0]["lr"] = 0.5
+    current, _ = layout.analyze_known(state, m)
+    assert current.layout_id == m.layout_id and current.scalars == tuple(layout.flatten(state)[2]) != m.scalars
 
 
 @pytest.mark.parametrize("change", [
@@ -196,7 +200,14 @@ def test_the_commit_walk_gives_what_flatten_gives_without_paths():
     lambda s: s.__setitem__("arr", torch.arange(5, dtype=torch.int16)),  # an array became a tensor
     lambda s: s["optim"]["param_groups"][0].__setitem__("extra", 1),  # the nesting
     lambda s: s.__setitem__("t", [1, None, 2.5, b"\x01"]),  # a tuple became a list
-], ids=["shape", "dtype", "kind", "np-dtype", "array-to-tensor", "nesting", "container"])
+    lambda s: s.__setitem__("t", (1, None, 2.5)),  # one element fewer
+    lambda s: s["model"].__setitem__("extra", s["model"].pop("0.bias")),  # a key renamed (and moved last)
+    lambda s: s["od"].__delattr__("_metadata"),  # an OrderedDict without its metadata
+    lambda s: s.__setitem__("size", torch.Size([3, 2])),  # a torch.Size
+    lambda s: s.__setitem__("t", (torch.ones(1), None, 2.5, b"\x01")),  # a scalar became a tensor
+    lambda s: s.__setitem__("empty", 0.0),  # a tensor became a scalar
+], ids=["shape", "dtype", "kind", "np-dtype", "array-to-tensor", "nesting", "container", "shorter", "key", "metadata",
+        "size", "scalar-to-tensor", "tensor-to-scalar"])
 def test_the_commit_walk_sees_every_layout_change(change):
     state = _commit_like_state()
     m = layout.describe(state)
@@ -266,3 +277,22 @@ def test_the_commit_captures_the_tensors_state_dict_gives():
     want = {"model": model.state_dict(), "optim": opt.state_dict(), "rng": got["rng"]}
     assert layout.describe(got).layout_id == layout.describe(want).layout_id
     assert_bitwise_equal(got, want)
+
+
+def test_is_parameter_knows_parameters_of_every_kind():
+    class Sub(torch.Tensor):  # a tensor subclass: nn.Parameter marks the instance (as it does a DTensor)
+        pass
+
+    class Scaled(torch.nn.Parameter):
+        pass
+
+    marked = torch.nn.Parameter(torch.ones(2).as_subclass(Sub))
+    assert type(marked) is Sub and layout.is_parameter(marked)
+    assert layout.is_parameter(torch.nn.Parameter(torch.ones(2))) and layout.is_parameter(Scaled(torch.ones(2)))
+    assert not layout.is_parameter(torch.ones(2)) and not layout.is_parameter(torch.ones(2).as_subclass(Sub))
+    # The layout says so too, on the full walk and on a commit's walk of a known layout.
+    state = {"p": marked, "t": torch.ones(2)}
+    m = layout.describe(state)
+    assert [s.kind for s in m.tensors] == ["param", "tensor"]
+    assert layout.analyze_known(state, m)[0] == m
+    assert layout.analyze_known({"p": torch.ones(2).as_subclass(Sub), "t": torch.ones(2)}, m)[0].layout_id != m.layout_id
