@@ -32,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
+from ffstate.bench._report import phase_order
 from ffstate.bench.codec import SIZES
 from ffstate.models import TinyGPT
 
@@ -39,18 +40,6 @@ FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseli
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
          "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1)}
-
-
-def phase_order(modes: list[str], r: int) -> list[str]:
-    """The order of the modes' phases in repeat ``r``: the rows of a Williams design (a balanced Latin square;
-    for an odd number n of modes, its rows and then their mirrors). Over n repeats (2n for odd n) each mode
-    runs in each position equally often and follows every other mode equally often: a phase pays for what
-    the one before it left behind (garbage, the daemons' teardown), and the machine drifts within a repeat.
-    A rotation (each repeat starting one mode later) keeps every mode behind the same one."""
-    n = len(modes)
-    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
-    row = [modes[(i + r) % n] for i in first]
-    return row[::-1] if n % 2 and (r // n) % 2 else row
 
 
 def main() -> None:

@@ -13,10 +13,23 @@ from typing import Callable
 import torch
 
 
+def phase_order(ways: list[str], r: int) -> list[str]:
+    """The order in which round ``r`` of an interleaved benchmark runs its ways (modes, functions): the rows
+    of a Williams design (a balanced Latin square; for an odd number n of ways, its rows and then their
+    mirrors). Over n rounds (2n for odd n) each way runs in each position equally often and right after
+    every other way equally often: a way pays for what the one before it left behind (garbage, dirty pages,
+    a daemon's teardown), and the machine drifts within a round. A rotation (each round starting one way
+    later) keeps every way behind the same one."""
+    n = len(ways)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    row = [ways[(i + r) % n] for i in first]
+    return row[::-1] if n % 2 and (r // n) % 2 else row
+
+
 def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None,
                    self_timed: bool = False) -> dict[str, float]:
     """Median wall time of each function over ``repeats`` rounds, run interleaved (noise hits all alike),
-    each round starting one function later (none always runs right after the same one, in what it left).
+    each round in an order of ``phase_order`` (none always runs right after the same one, in what it left).
 
     With ``self_timed`` each function returns the seconds to count itself (the part of it that matters).
     """
@@ -24,11 +37,10 @@ def median_seconds(fns: dict[str, Callable[[], object]], repeats: int, sync: Cal
     for fn in fns.values():  # warm-up: first-touch allocation, kernel compilation
         fn()
     sync()
-    order = list(fns.items())
     for r in range(repeats):
-        for name, fn in order[r % len(order):] + order[:r % len(order)]:
+        for name in phase_order(list(fns), r):
             start = time.perf_counter()
-            got = fn()
+            got = fns[name]()
             sync()
             times[name].append(got if self_timed else time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}

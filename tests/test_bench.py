@@ -77,7 +77,7 @@ def test_overhead_phases_follow_every_other_mode_equally_often(n):
     import collections
     import itertools
 
-    from ffstate.bench._overhead_worker import phase_order
+    from ffstate.bench._report import phase_order
 
     modes = [f"m{i}" for i in range(n)]
     cycle = n if n % 2 == 0 else 2 * n
