@@ -423,13 +423,13 @@ def _expected(manifest: Manifest) -> list[tuple[str | None, torch.dtype, tuple[i
 
 
 def _leaves_match(leaves: list[Any], expected: list[tuple[str | None, torch.dtype, tuple[int, ...], bool]]) -> bool:
-    tensor, parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
+    strided = torch.strided
     for a, (np_dtype, dtype, shape, param) in zip(leaves, expected):
         if isinstance(a, np.ndarray):
             if np_dtype is None or a.dtype.str != np_dtype or a.shape != shape:
                 return False
         elif (np_dtype is not None or a.dtype != dtype or a.shape != shape or a.layout != strided
-              or (type(a) is not tensor and isinstance(a, parameter)) != param):  # is_parameter, inlined
+              or is_parameter(a) != param):
             return False
     return True
 
