@@ -40,9 +40,9 @@ class Config:
         daemon_host: the address this node's daemon listens on and is reached at.
         base_port: node n's daemon listens on ``base_port + n``.
         start_daemon: start the node's daemon when none answers (it outlives worker restarts and
-            exits when the job is over or after ``daemon_idle_exit`` seconds without traffic).
+            exits when the job is over or after ``daemon_idle_exit`` seconds without a request or a commit).
         daemon_memory_limit: the started daemon's budget (``--memory-limit``, e.g. ``8G``); "" is its default.
-        daemon_idle_exit: seconds without traffic after which a started daemon exits.
+        daemon_idle_exit: seconds without a request or a commit after which a started daemon exits.
         max_lag: W, how many versions replication may fall behind the training before the lag
             policy acts; also the deltas each holder keeps to step back.
         lag_policy: ``block`` holds ``commit`` until replication is within ``max_lag``; ``skip``

@@ -248,6 +248,10 @@ class Slots:
             inflight = 0  # no commit for that long: the worker is gone or stuck, its count means nothing
         return max(inflight, 0), intervals, commits
 
+    def committed_at(self) -> float:
+        """Wall-clock seconds of the newest commit into these slots (0.0: none yet)."""
+        return max((self._header(k)[7] for k in range(len(self._maps))), default=0) / 1e9
+
     def set_replicated(self, version: int) -> None:
         """Daemon side: the newest version every holder of this rank has (0: none, or forgotten)."""
         try:

@@ -151,6 +151,28 @@ def test_idle_daemon_exits_by_itself(daemons):
     assert "idle" in d.log()
 
 
+def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
+    """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
+    must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
+    from helpers import train_states
+
+    a = daemons.start("--idle-exit", "3")
+    states = list(train_states(2))
+    manifest = layout.describe(states[0])
+    with a.client() as c:
+        slots = shm.Slots(list(c.attach("j10", 0, 1, manifest).slot_paths), manifest)
+    try:
+        for v in range(1, 25):  # 6 s of commits, twice the idle timeout, and no call to the daemon
+            slots.commit(states[v % 2], v)
+            time.sleep(0.25)
+            assert a.proc.poll() is None, f"the daemon exited while commits went on (version {v}):\n{a.log()}"
+        assert all(p.exists() for p in slots.paths)
+    finally:
+        slots.close()
+    assert a.proc.wait(30) == 0  # commits stopped: idle now
+    assert "idle for 3s" in a.log()
+
+
 def run_writer_tls(a, tls, tmp_path):
     """An in-process writer over TLS (the writer script speaks plaintext): attach, commit 2 versions."""
     from helpers import train_states

@@ -149,6 +149,17 @@ class Daemon(pb_grpc.ReplicaServicer):
                 commits = c
         return inflight, intervals, commits
 
+    def idle_seconds(self) -> float:
+        """Seconds since the last request or the last commit into an attached rank's slots (a worker with no
+        replicas commits without ever calling the daemon: it is not idle while its job trains)."""
+        since = time.monotonic() - self.last_activity
+        for shard in list(self.local.values()):
+            try:
+                since = min(since, time.time() - shard.slots.committed_at())
+            except (ValueError, IndexError, struct.error):  # dropped (its mappings closed) while we looked
+                continue
+        return since
+
     def _abort(self, context: grpc.ServicerContext, e: Exception) -> None:
         code = e.code if isinstance(e, ReplicaError) else "INVALID_ARGUMENT"
         context.abort(_status(code), str(e))
@@ -458,7 +469,7 @@ def serve(cfg: ServeConfig, ready: Callable[[int], None] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     while not done.wait(0.5):
-        if cfg.idle_exit and time.monotonic() - daemon.last_activity > cfg.idle_exit:
+        if cfg.idle_exit and daemon.idle_seconds() > cfg.idle_exit:
             log.info("idle for %.0fs (--idle-exit): exiting", cfg.idle_exit)
             break
     daemon.stop()
