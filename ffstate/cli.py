@@ -57,6 +57,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("ffstate serve: --tls-cert and --tls-key go together")
+    if not 0 < args.slot_poll <= 3600:
+        raise SystemExit(f"ffstate serve: --slot-poll takes seconds in (0, 3600], got {args.slot_poll}")
     if args.nice == "idle":  # before any thread starts: they inherit it (README: scheduling)
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     elif args.nice:
@@ -66,7 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                       tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
                       idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes,
                       exit_when_empty=args.exit_when_empty, pid_file=args.pid_file, scheduler=args.scheduler,
-                      link_share=args.link_share, link_bandwidth=args.link_bandwidth, metrics_port=args.metrics_port)
+                      link_share=args.link_share, link_bandwidth=args.link_bandwidth, metrics_port=args.metrics_port,
+                      slot_poll=args.slot_poll)
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
@@ -180,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-bandwidth", type=parse_bytes, default=0, metavar="BYTES_PER_S",
                    help="the links' bandwidth, e.g. 25M (default: measured from the pushes)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--slot-poll", type=float, default=0.05, metavar="SECONDS",
+                   help="how often the daemon looks at its workers' slots between their rings of its doorbell "
+                        "(a worker rings after each commit; default 0.05)")
     p.add_argument("--nice", type=nice_level, default=0, metavar="N|idle",
                    help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
                         "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "

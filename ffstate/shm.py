@@ -10,6 +10,10 @@ and the other slot (the previous version) intact. The daemon, in turn, marks a s
 has read its version; a worker on the ``block`` lag policy waits for that mark before it
 overwrites the slot, so no version escapes replication.
 
+After each commit the worker rings its daemon's doorbell (``Doorbell``, a datagram naming the rank),
+so that the daemon takes the new version at once instead of at its next look at the slots; a lost
+ring costs only that wait.
+
 The worker does not checksum what it writes: the daemon computes the checksum when it takes the
 slot, off the training path (it was half of a commit's time), and records it beside the header; a
 reader verifies the slot against that record, and computes it itself, under the seqlock, when the
@@ -24,7 +28,9 @@ import json
 import logging
 import mmap
 import os
+import itertools
 import re
+import socket
 import struct
 import threading
 import time
@@ -61,6 +67,11 @@ COMM_RING = 48
 # Written by the daemon only (slot 0's header): the newest version every holder of this rank has, so
 # that a commit checks the replication lag with one read instead of a call to the daemon.
 REPLICATED_OFFSET = COMM_OFFSET + 16 + 16 * COMM_RING
+# Written by the daemon only (slot 0's header, when it creates the slots): its doorbell, as the rank's id
+# there (8 bytes), the length of the doorbell's name (2) and the name (a Unix socket's abstract address).
+BELL_OFFSET = REPLICATED_OFFSET + 64
+BELL = struct.Struct("<QH")
+BELL_NAME_MAX = 256
 STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -89,15 +100,20 @@ def slot_paths(node_id: str, job_id: str, rank: int, world_size: int) -> list[Pa
     return [SHM_DIR / f"{base}-{k}" for k in range(2)]
 
 
-def create_slots(paths: list[Path], manifest: Manifest, scalars_capacity: int) -> None:
-    """Creates the slot files (zero-filled, so padding is zero), header written, nothing committed."""
+def create_slots(paths: list[Path], manifest: Manifest, scalars_capacity: int,
+                 bell: tuple[str, int] | None = None) -> None:
+    """Creates the slot files (zero-filled, so padding is zero), header written, nothing committed;
+    ``bell``: the daemon's doorbell (its name, and the id it gave this rank) for the worker to ring."""
     size = slot_size(manifest, scalars_capacity)
-    for path in paths:
+    for k, path in enumerate(paths):
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
             os.pwrite(fd, HEADER.pack(MAGIC, 0, 0, 0, 0, manifest.nbytes, scalars_capacity, 0,
                                       manifest.layout_id.encode()), 0)
+            if bell is not None and k == 0:
+                name = bell[0].encode()
+                os.pwrite(fd, BELL.pack(bell[1], len(name)) + name, BELL_OFFSET)
         finally:
             os.close(fd)
 
@@ -120,6 +136,59 @@ class SlotView:
     checksum: int | None  # as recorded by the daemon; None until it has taken the slot
     scalars: list
     data: torch.Tensor  # uint8 view of the slot's bytes, no copy
+
+
+class Doorbell:
+    """Daemon side: the socket its workers ring after each commit (``Slots.ring``), one per daemon.
+
+    A Unix datagram socket in the abstract namespace (nothing to clean up after a SIGKILL); a ring is
+    the 8-byte id the daemon gave the rank when it created its slots, and sets that rank's ``wake``
+    event. Anything else (an unknown id, a malformed datagram) is ignored: a ring only makes the
+    daemon look at slots it would look at anyway. ``on_ring`` is called for every valid ring.
+    """
+
+    _made = itertools.count()  # daemons made in this process (tests make several)
+
+    def __init__(self, node_id: str, on_ring: Callable[[], None] = lambda: None):
+        self.name = f"ffstate-{check_id(node_id, 'node id')}-{os.getpid()}-{next(Doorbell._made)}"
+        self._on_ring = on_ring
+        self._wakes: dict[int, threading.Event] = {}
+        self._ids = itertools.count(1)
+        self._closed = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind("\0" + self.name)
+        self._sock.settimeout(0.5)  # how soon close() is noticed
+        self._thread = threading.Thread(target=self._run, name="ffstate-doorbell", daemon=True)
+        self._thread.start()
+
+    def add(self, wake: threading.Event) -> tuple[str, int]:
+        """Registers a rank's wake event; returns (name, id), what ``create_slots`` writes for its worker."""
+        ident = next(self._ids)
+        self._wakes[ident] = wake
+        return self.name, ident
+
+    def remove(self, ident: int) -> None:
+        self._wakes.pop(ident, None)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self._sock.recv(64)
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            wake = self._wakes.get(struct.unpack("<Q", data)[0]) if len(data) == 8 else None
+            if wake is None:
+                log.debug("doorbell %s: ignored a %d-byte ring that names no attached rank", self.name, len(data))
+                continue
+            wake.set()
+            self._on_ring()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        self._sock.close()
 
 
 class CommMarks:
@@ -191,8 +260,18 @@ class Slots:
             self.data.append(torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=manifest.nbytes)
                              if manifest.nbytes else torch.empty(0, dtype=torch.uint8))
         self._targets: list[list[torch.Tensor] | None] = [None] * len(self.paths)  # commit's views, made once
+        self._bell: tuple[str, bytes] | None = None  # (address, ring) of the daemon's doorbell, if it has one
+        self._bell_socket: socket.socket | None = None
+        if self._maps:
+            ident, n = BELL.unpack_from(self._maps[0], BELL_OFFSET)
+            if ident and 0 < n <= BELL_NAME_MAX:
+                name = bytes(self._maps[0][BELL_OFFSET + BELL.size : BELL_OFFSET + BELL.size + n]).decode()
+                self._bell = "\0" + name, struct.pack("<Q", ident)
 
     def close(self) -> None:
+        if self._bell_socket is not None:
+            self._bell_socket.close()
+            self._bell_socket = None
         self._targets = [None] * len(self._targets)
         self.data.clear()
         for mm in self._maps:
@@ -307,6 +386,21 @@ class Slots:
         magic, seq_odd, _, _, _, nbytes, cap, _, lid = self._header(k)
         HEADER.pack_into(mm, 0, magic, seq_odd, version, 0, len(scalars), nbytes, cap, time.time_ns(), lid)
         self._set_seq(k, seq_odd + 1)  # even: committed
+        self.ring()
+
+    def ring(self) -> None:
+        """Worker side: tells the daemon a version was just committed, so that it takes it now (a few
+        microseconds). Best effort: a daemon gone or too busy to read its rings finds the slot at its
+        next look."""
+        if self._bell is None:
+            return
+        if self._bell_socket is None:
+            self._bell_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._bell_socket.setblocking(False)
+        try:
+            self._bell_socket.sendto(self._bell[1], self._bell[0])
+        except OSError:  # no such socket (the daemon died), or its queue is full
+            pass
 
     def discard_newer(self, version: int) -> None:
         """Un-commits every slot newer than ``version`` (the job stepped back to it: those steps are redone)."""

@@ -173,6 +173,53 @@ def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     assert "idle for 3s" in a.log()
 
 
+def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):
+    """The worker rings its daemon's doorbell after each commit. With the daemon's own look at the slots
+    an hour apart, only the ring can make it take each version (mark it taken and checksum it); rings that
+    name no attached rank, or are malformed, change nothing."""
+    import socket
+
+    from helpers import train_states
+
+    a = daemons.start("--slot-poll", "3600")
+    states = list(train_states(3))
+    manifest = layout.describe(states[0])
+    with a.client() as c:
+        slots = shm.Slots(list(c.attach("j11", 0, 1, manifest).slot_paths), manifest)
+    try:
+        address, ring = slots._bell
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            for junk in (b"", b"x", ring + b"x", (12345).to_bytes(8, "little"), os.urandom(64)):
+                s.sendto(junk, address)
+        for v, state in enumerate(states, 1):
+            slots.commit(state, v)
+            k = next(k for version, k in slots.committed() if version == v)
+            wait_until(lambda: slots.taken(k) == v and slots.view(k).checksum is not None, timeout=60,
+                       what=f"the daemon to take version {v}")
+            assert slots.view(k).checksum == codec.pack(state).checksum
+        assert a.proc.poll() is None
+    finally:
+        slots.close()
+
+
+def test_a_commit_whose_daemon_is_gone_does_not_fail(tmp_path):
+    """The doorbell is best effort: ringing a daemon that no longer exists is not an error."""
+    from helpers import train_states
+
+    state = next(iter(train_states(1)))
+    manifest = layout.describe(state)
+    paths = [tmp_path / "slot-0", tmp_path / "slot-1"]
+    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY, bell=("ffstate-gone-1-0", 7))
+    slots = shm.Slots(paths, manifest)
+    try:
+        assert slots._bell == ("\0ffstate-gone-1-0", (7).to_bytes(8, "little"))
+        slots.commit(state, 1)
+        slots.commit(state, 2)
+        assert [v for v, _ in slots.committed()] == [2, 1]
+    finally:
+        slots.close()
+
+
 def run_writer_tls(a, tls, tmp_path):
     """An in-process writer over TLS (the writer script speaks plaintext): attach, commit 2 versions."""
     from helpers import train_states

@@ -90,6 +90,7 @@ class LocalShard:
     pushed_versions: int = 0  # counted once per holder
     pushed_raw_bytes: int = 0  # the snapshots those versions restore (for the compression ratio)
     razor: Any = None  # the worker's RazorInfo (protobuf, passed through for the reports)
+    bell: int = 0  # the rank's id at the daemon's doorbell (0: none)
 
     @property
     def replicated_version(self) -> int:
@@ -140,7 +141,7 @@ class Replicator:
     """Runs one sender thread per local rank."""
 
     def __init__(self, make_client: Callable[[str], Client], peers: list[str], pacer: Pacer | None = None,
-                 poll_interval: float = 0.005, keep: int = 8):
+                 poll_interval: float = 0.05, keep: int = 8):
         self.make_client = make_client
         self.keep = keep
         self.peers = list(peers)

@@ -62,6 +62,7 @@ class ServeConfig:
     link_share: float = 0.5  # share of each link's estimated bandwidth replication may use
     link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
+    slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
     pacer: Pacer | None = None  # overrides scheduler (tests)
 
 
@@ -113,7 +114,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         # (peers that run mutual TLS ask for one).
         tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), cfg.peers,
-                                     cfg.pacer or self._pacer(), keep=cfg.keep_deltas)
+                                     cfg.pacer or self._pacer(), poll_interval=cfg.slot_poll, keep=cfg.keep_deltas)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()
@@ -121,6 +122,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.port = 0
         self.done = threading.Event()
         self.metrics = None  # the Prometheus HTTP server, with --metrics-port
+        self.doorbell = shm.Doorbell(cfg.node_id, self._touch)  # rung by the workers after each commit
 
     # ------------------------------------------------------------ helpers
 
@@ -224,15 +226,18 @@ class Daemon(pb_grpc.ReplicaServicer):
         size = 2 * shm.slot_size(manifest, cap) + manifest.nbytes  # two slots and the base copy
         self.store.reserve(size, f"the slots of {key}")
         paths = shm.slot_paths(self.cfg.node_id, key.job_id, key.rank, key.world_size)
+        wake = threading.Event()
+        bell = self.doorbell.add(wake)
         try:
             shm.remove_slots(paths)  # left over by an earlier daemon of this node that was killed
-            shm.create_slots(paths, manifest, cap)
+            shm.create_slots(paths, manifest, cap, bell)
             slots = shm.Slots(paths, manifest)
         except BaseException:
+            self.doorbell.remove(bell[1])
             shm.remove_slots(paths)
             self.store.release(size)
             raise
-        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size)
+        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size, wake=wake, bell=bell[1])
         self.local[key] = shard
         self.replicator.start(shard)
         log.info("attached %s: %d-byte state, slots %s, replicating to %s", key, manifest.nbytes,
@@ -375,6 +380,7 @@ class Daemon(pb_grpc.ReplicaServicer):
         return self._guard(context, run)
 
     def _close_local(self, shard: LocalShard) -> None:
+        self.doorbell.remove(shard.bell)
         self.replicator.stop(shard)
         shard.slots.close()
         shm.remove_slots(shard.paths)
@@ -453,6 +459,7 @@ class Daemon(pb_grpc.ReplicaServicer):
             self.local.clear()
         for s in shards:
             self._close_local(s)
+        self.doorbell.close()
         self.replicator.shutdown()
         log.info("ffstate daemon %s stopped", self.cfg.node_id)
 
