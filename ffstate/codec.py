@@ -14,6 +14,7 @@ CPU buffers use the reference path (``ffstate.planes``); CUDA buffers use the Tr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -129,8 +130,15 @@ class Packed:
 
 def _use_kernels(t: torch.Tensor) -> bool:
     """Triton for CUDA tensors; FFSTATE_KERNELS=triton forces it (CPU tensors need TRITON_INTERPRET=1)."""
-    choice = Config.from_env().kernels
+    choice = _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto"))
     return choice == "triton" or (choice == "auto" and t.is_cuda)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernels_choice(raw: str) -> str:
+    """``FFSTATE_KERNELS`` checked as ``Config`` checks it, once per value: every commit and checksum asks
+    (``Config.from_env()`` reads every variable: 60 us, 4% of a commit)."""
+    return Config(kernels=raw).kernels
 
 
 def buffer_checksum(buf: torch.Tensor) -> int:
