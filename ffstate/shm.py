@@ -150,7 +150,8 @@ class Doorbell:
     _made = itertools.count()  # daemons made in this process (tests make several)
 
     def __init__(self, node_id: str, on_ring: Callable[[], None] = lambda: None):
-        self.name = f"ffstate-{check_id(node_id, 'node id')}-{os.getpid()}-{next(Doorbell._made)}"
+        # Unique among live daemons, and short: an abstract address has room for 107 bytes.
+        self.name = f"ffstate-{check_id(node_id, 'node id')[:64]}-{os.getpid()}-{next(Doorbell._made)}"
         self._on_ring = on_ring
         self._wakes: dict[int, threading.Event] = {}
         self._ids = itertools.count(1)

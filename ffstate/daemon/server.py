@@ -122,7 +122,12 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.port = 0
         self.done = threading.Event()
         self.metrics = None  # the Prometheus HTTP server, with --metrics-port
-        self.doorbell = shm.Doorbell(cfg.node_id, self._touch)  # rung by the workers after each commit
+        try:  # rung by the workers after each commit
+            self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self._touch)
+        except OSError as e:  # no abstract Unix sockets here: the replicator's look at the slots still finds commits
+            log.warning("no doorbell for the workers (%s): commits are taken within --slot-poll %.3fs", e,
+                        cfg.slot_poll)
+            self.doorbell = None
 
     # ------------------------------------------------------------ helpers
 
@@ -227,17 +232,18 @@ class Daemon(pb_grpc.ReplicaServicer):
         self.store.reserve(size, f"the slots of {key}")
         paths = shm.slot_paths(self.cfg.node_id, key.job_id, key.rank, key.world_size)
         wake = threading.Event()
-        bell = self.doorbell.add(wake)
+        bell = self.doorbell.add(wake) if self.doorbell is not None else None
         try:
             shm.remove_slots(paths)  # left over by an earlier daemon of this node that was killed
             shm.create_slots(paths, manifest, cap, bell)
             slots = shm.Slots(paths, manifest)
         except BaseException:
-            self.doorbell.remove(bell[1])
+            self._forget_bell(bell and bell[1])
             shm.remove_slots(paths)
             self.store.release(size)
             raise
-        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size, wake=wake, bell=bell[1])
+        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size, wake=wake,
+                           bell=bell[1] if bell else 0)
         self.local[key] = shard
         self.replicator.start(shard)
         log.info("attached %s: %d-byte state, slots %s, replicating to %s", key, manifest.nbytes,
@@ -379,8 +385,12 @@ class Daemon(pb_grpc.ReplicaServicer):
 
         return self._guard(context, run)
 
+    def _forget_bell(self, bell: int | None) -> None:
+        if self.doorbell is not None and bell:
+            self.doorbell.remove(bell)
+
     def _close_local(self, shard: LocalShard) -> None:
-        self.doorbell.remove(shard.bell)
+        self._forget_bell(shard.bell)
         self.replicator.stop(shard)
         shard.slots.close()
         shm.remove_slots(shard.paths)
@@ -459,7 +469,8 @@ class Daemon(pb_grpc.ReplicaServicer):
             self.local.clear()
         for s in shards:
             self._close_local(s)
-        self.doorbell.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
         self.replicator.shutdown()
         log.info("ffstate daemon %s stopped", self.cfg.node_id)
 
