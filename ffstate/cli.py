@@ -132,6 +132,16 @@ def cmd_status(args: argparse.Namespace) -> int:
             razor.add_row(key[0], f"{key[1]}/{key[2]}", "?", "-", "-", "-", wire, "-", "-")
     if razor.row_count:
         console.print(razor)
+    restores = Table(title="restores (what each rank's workers recorded in its slots: the newest)")
+    for col in ("job", "rank", "restores", "to step (v*)", "steps lost", "restore s", "from entry s"):
+        restores.add_column(col, justify="left" if col == "job" else "right")
+    for address, inv, s, key in rows:
+        if s.local and s.HasField("restore"):
+            r = s.restore
+            restores.add_row(key[0], f"{key[1]}/{key[2]}", str(r.restores), str(r.version), str(r.steps_lost),
+                             f"{r.seconds:.3f}", f"{r.entry_seconds:.2f}")
+    if restores.row_count:
+        console.print(restores)
     links = Table(title="replication links (scheduler)")
     for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
                 "collisions", "overlap s"):

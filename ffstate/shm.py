@@ -72,6 +72,11 @@ REPLICATED_OFFSET = COMM_OFFSET + 16 + 16 * COMM_RING
 BELL_OFFSET = REPLICATED_OFFSET + 64
 BELL = struct.Struct("<QH")
 BELL_NAME_MAX = 256
+# Written by the worker only (slot 0's header, at attach after a restore): restores so far, then the newest
+# one's version (v*), steps lost, seconds to fetch and load, and seconds from the process's entry; see
+# record_restore.
+RESTORE_OFFSET = BELL_OFFSET + BELL.size + BELL_NAME_MAX + 6  # 8-byte aligned
+RESTORE = struct.Struct("<QQQdd")
 STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -342,6 +347,15 @@ class Slots:
     def replicated(self) -> int:
         """Worker side: what the daemon last wrote with ``set_replicated``."""
         return struct.unpack_from("<Q", self._maps[0], REPLICATED_OFFSET)[0] if self._maps else 0
+
+    def record_restore(self, version: int, steps_lost: int, seconds: float, entry_seconds: float) -> None:
+        """Worker side: a restore of this rank to ``version``, for the daemon's metrics and ``ffstate status``."""
+        count = RESTORE.unpack_from(self._maps[0], RESTORE_OFFSET)[0]
+        RESTORE.pack_into(self._maps[0], RESTORE_OFFSET, count + 1, version, steps_lost, seconds, entry_seconds)
+
+    def restore_record(self) -> tuple[int, int, int, float, float]:
+        """(restores, and the newest one's version, steps lost, seconds, seconds from entry); all 0 for none."""
+        return RESTORE.unpack_from(self._maps[0], RESTORE_OFFSET) if self._maps else (0, 0, 0, 0.0, 0.0)
 
     def razor_counters(self) -> tuple[int, int]:
         return struct.unpack_from("<QQ", self._maps[0], RAZOR_OFFSET) if self._maps else (0, 0)

@@ -67,6 +67,7 @@ class Replicated:
         self.model, self.optimizer, self.lr_scheduler, self.extra, self.cfg = model, optimizer, lr_scheduler, extra, cfg
         self.start_step = 0
         self.restored: recovery.Restored | None = None
+        self._restore_report: tuple | None = None  # for the daemon, at the next attach (its metrics, `ffstate status`)
         self._slots: shm.Slots | None = None
         self._last = 0
         self._replicated = 0
@@ -218,7 +219,10 @@ class Replicated:
         Returns a dict: ``version`` (last commit), ``replicated_version``, ``pushed_bytes`` and
         ``pushed_versions`` (on the wire, counted per holder), ``state_bytes`` (the whole state),
         ``shard_bytes`` (what this rank replicates: with the razor, its own entries and its part),
-        ``razor_group``, ``razor_verifications``, ``razor_mismatches``; and, for the whole node (its
+        ``razor_group``, ``razor_verifications``, ``razor_mismatches``; once a restored rank has
+        committed, its restores as its workers recorded them: ``restores`` and the newest one's
+        ``restore_version`` (v*), ``restore_steps_lost``, ``restore_seconds``, ``restore_entry_seconds``;
+        and, for the whole node (its
         daemon's scheduler), ``collectives`` (the training's collectives it saw marked), ``collisions``
         (those that started while a replication chunk was on the wire) and ``overlap_seconds`` (how long
         replication shared the link with them).
@@ -235,6 +239,10 @@ class Replicated:
                        pushed_versions=s.pushed_versions, state_bytes=s.razor.state_bytes,
                        shard_bytes=s.razor.shard_bytes, razor_group=list(s.razor.group),
                        razor_verifications=s.razor.verifications, razor_mismatches=s.razor.mismatches)
+            if s.HasField("restore"):
+                r = s.restore
+                out.update(restores=r.restores, restore_version=r.version, restore_steps_lost=r.steps_lost,
+                           restore_seconds=r.seconds, restore_entry_seconds=r.entry_seconds)
         return out
 
     # ------------------------------------------------------------ capture and restore
@@ -349,6 +357,7 @@ class Replicated:
         if self.cfg.shadow_ddp_step and isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             capture.shadow_step_on_first_forward(self.model)
         elapsed = time.perf_counter() - self._t0
+        self._restore_report = (v, got.steps_lost, got.seconds, elapsed)
         log.info("rank %d: restored step %d (v*) of job %s from %s%s: %d steps lost, %.1f MB in %.3fs "
                  "(%.1f MB/s); %.2fs from entry", self.rank, v, self.job, got.source,
                  f", the parts of ranks {sorted(parts)} from {sorted(set(parts.values()))}" if parts else "",
@@ -366,6 +375,9 @@ class Replicated:
                                   razor=self._razor_info(manifest), discard_after=self._last)
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._slots.set_razor_counters(self.razor_verified, self.razor_mismatches)
+        if self._restore_report is not None:
+            self._slots.record_restore(*self._restore_report)
+            self._restore_report = None
         self._marks.attach(self._slots)
 
     # ------------------------------------------------------------ daemons

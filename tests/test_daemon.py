@@ -349,6 +349,25 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
     assert (inv.collectives, inv.collisions, inv.overlap_seconds, inv.links[0].collisions) == (0, 0, 0, 0)
     assert inv.shards[0].pushed_versions == 4 and inv.shards[0].pushed_bytes == sent
+    assert not inv.shards[0].HasField("restore") and "ffstate_restore_seconds" not in "".join(metric)
+    # A worker that restored records it in the slot header at attach (the trainer does; here by hand, twice).
+    desc = a.client().lookup("j10", 0, 2)
+    slots = shm.Slots([Path(p) for p in desc.slot_paths], layout.Manifest.from_json(desc.manifest_json))
+    try:
+        slots.record_restore(2, 1, 0.25, 3.5)
+        slots.record_restore(3, 0, 0.125, 2.5)
+    finally:
+        slots.close()
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    labels = f'{{job="j10",node="{a.node_id}",rank="0"}}'
+    for name, value in (("restores_total", 2), ("restore_seconds", 0.125), ("restore_version", 3),
+                        ("restore_steps_lost", 0)):
+        assert f"ffstate_{name}{labels} {float(value)}" in text, (name, text)
+    r = a.client().inventory("j10").shards[0].restore
+    assert (r.restores, r.version, r.steps_lost, r.seconds, r.entry_seconds) == (2, 3, 0, 0.125, 2.5)
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", a.address], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "200"})
+    assert re.search(r"j10 +│ +0/2 +│ +2 +│ +3 +│ +0 +│ +0\.125 +│ +2\.50", out.stdout), out.stdout
 
 
 def test_local_copy_steps_back_through_the_deltas_it_keeps(pair, tmp_path):

@@ -4,6 +4,7 @@ bit-identical to the same run without failures."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,9 @@ def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
     resumed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9"], env=env, capture_output=True,
                              text=True, timeout=120)
     assert resumed.returncode == 0 and "start 4" in resumed.stdout, resumed.stderr
+    # Its daemon (the one the first run started) holds the restore's record, which ff.stats() reports.
+    got = re.search(r"restores (\d+) to (\d+) lost (\d+) in ([\d.]+)s", resumed.stdout)
+    assert got and got.groups()[:3] == ("1", "4", "0") and float(got.group(4)) > 0, resumed.stdout
     env2 = {**env, "FFSTATE_JOB_ID": f"s{uuid.uuid4().hex[:6]}"}
     clean = subprocess.run([sys.executable, script, str(tmp_path / "b"), "9"], env=env2, capture_output=True,
                            text=True, timeout=120)
@@ -188,6 +192,9 @@ def test_razor_ddp_rank_killed_rebuilds_from_the_groups_parts_bit_exact(referenc
     assert all(e["shard_bytes"] < 0.26 * e["state_bytes"] for e in finished), finished
     status = (tmp_path / "out" / "status.txt").read_text()
     assert "razor" in status and "0,1,2,3" in status and " 0.25 " in status, status
+    # Each rank's restore, as its worker recorded it in its slots for the daemon: 1 restore, to step 5, 0 lost.
+    for rank in range(4):
+        assert re.search(rf"{job} +│ +{rank}/4 +│ +1 +│ +5 +│ +0 +│", status), status
 
 
 def test_razor_ddp_node_lost_rebuilds_from_the_surviving_copies_bit_exact(reference_ddp, tmp_path):

@@ -153,7 +153,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,7 @@ class ShardInfo(_message.Message):
     RAZOR_FIELD_NUMBER: _ClassVar[int]
     PUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -176,7 +177,22 @@ class ShardInfo(_message.Message):
     razor: RazorInfo
     pushed_bytes: int
     pushed_versions: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ...) -> None: ...
+    restore: RestoreInfo
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ...) -> None: ...
+
+class RestoreInfo(_message.Message):
+    __slots__ = ("restores", "version", "steps_lost", "seconds", "entry_seconds")
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    restores: int
+    version: int
+    steps_lost: int
+    seconds: float
+    entry_seconds: float
+    def __init__(self, restores: _Optional[int] = ..., version: _Optional[int] = ..., steps_lost: _Optional[int] = ..., seconds: _Optional[float] = ..., entry_seconds: _Optional[float] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "overlap_seconds")

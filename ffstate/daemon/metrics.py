@@ -44,8 +44,21 @@ class DaemonCollector(Collector):
                                        labels=shard)
         mismatched = CounterMetricFamily("ffstate_razor_mismatches", "Entries found to differ across the group",
                                          labels=shard)
+        restores = CounterMetricFamily("ffstate_restores", "Restores of a local rank its workers recorded in its slots",
+                                       labels=shard)
+        restore_seconds = GaugeMetricFamily("ffstate_restore_seconds",
+                                            "The newest restore's fetch and load of the state", labels=shard)
+        restore_version = GaugeMetricFamily("ffstate_restore_version", "The step the newest restore went back to (v*)",
+                                            labels=shard)
+        restore_lost = GaugeMetricFamily("ffstate_restore_steps_lost", "The newest restore's steps lost", labels=shard)
         for key, s in list(d.local.items()):
             labels = [node, key.job_id, str(key.rank)]
+            count, v_star, lost, seconds, _ = s.slots.restore_record()
+            if count:
+                restores.add_metric(labels, count)
+                restore_seconds.add_metric(labels, seconds)
+                restore_version.add_metric(labels, v_star)
+                restore_lost.add_metric(labels, lost)
             sent.add_metric(labels, s.pushed_bytes)
             versions.add_metric(labels, s.pushed_versions)
             done = s.slots.committed()
@@ -59,7 +72,8 @@ class DaemonCollector(Collector):
                 v, m = s.slots.razor_counters()
                 verified.add_metric(labels, v)
                 mismatched.add_metric(labels, m)
-        yield from (sent, versions, lag, ratio, queue, state, replicated, verified, mismatched)
+        yield from (sent, versions, lag, ratio, queue, state, replicated, verified, mismatched, restores,
+                    restore_seconds, restore_version, restore_lost)
 
         pacer = d.replicator.pacer
         estimate = GaugeMetricFamily("ffstate_link_estimate_bytes_per_second", "Estimated bandwidth to a holder",

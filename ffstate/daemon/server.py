@@ -335,13 +335,16 @@ class Daemon(pb_grpc.ReplicaServicer):
                     razor.CopyFrom(s.razor)
                     razor.verifications, razor.mismatches = s.slots.razor_counters()
                 back = s.versions_back()  # no lock: advisory, and a round may hold it for a while
+                restores, version, lost, seconds, entry = s.slots.restore_record()
+                restore = pb.RestoreInfo(restores=restores, version=version, steps_lost=lost, seconds=seconds,
+                                         entry_seconds=entry) if restores else None
                 shards.append(pb.ShardInfo(
                     shard=pb.ShardKey(job_id=key.job_id, rank=key.rank, world_size=key.world_size), local=True,
                     version=done[0][0] if done else 0, bytes=s.reserved,
                     versions=sorted({v for v, _ in done} | set(back), reverse=True),
                     last_update_unix=s.last_push, source=str(s.paths[0].parent),
                     replicated_version=s.replicated_version, razor=razor, pushed_bytes=s.pushed_bytes,
-                    pushed_versions=s.pushed_versions))
+                    pushed_versions=s.pushed_versions, restore=restore))
             for r in self.store.inventory(request.job_id):
                 k = r["key"]
                 shards.append(pb.ShardInfo(

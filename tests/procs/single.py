@@ -2,7 +2,8 @@
 
     python tests/procs/single.py OUT STEPS [--kill-after S]
 
-Prints "start S" (the step it resumed at) and writes OUT/final.pt at the end.
+Prints "start S" (the step it resumed at) and, at the end, the restores its daemon reports of it
+("restores N to V lost L in Ss"); writes OUT/final.pt.
 """
 
 import argparse
@@ -43,6 +44,9 @@ def main() -> None:
             ff.commit(step + 1)
             if step + 1 == a.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+        stats = ff.stats()  # the daemon's view of this rank, restores included
+        print(f"restores {stats.get('restores', 0)} to {stats.get('restore_version', 0)} "
+              f"lost {stats.get('restore_steps_lost', 0)} in {stats.get('restore_seconds', 0.0):.6f}s", flush=True)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
                 "extra": extra, "rng": torch.get_rng_state()}, a.out / "final.pt")
 
