@@ -271,7 +271,7 @@ class Slots:
         if self._maps:
             ident, n = BELL.unpack_from(self._maps[0], BELL_OFFSET)
             if ident and 0 < n <= BELL_NAME_MAX:
-                name = bytes(self._maps[0][BELL_OFFSET + BELL.size : BELL_OFFSET + BELL.size + n]).decode()
+                name = bytes(self._maps[0][BELL_OFFSET + BELL.size : BELL_OFFSET + BELL.size + n]).decode(errors="replace")
                 self._bell = "\0" + name, struct.pack("<Q", ident)
 
     def close(self) -> None:

@@ -35,6 +35,16 @@ def run_writer(a, job, steps, tmp_path, *extra, rank=0, world=2, check=True):
     return proc, torch.load(dump, weights_only=False)
 
 
+def attached_slots(a, job, steps):
+    """An in-process worker's slots (rank 0 of 1) attached at daemon ``a``, and ``steps`` training states to commit."""
+    from helpers import train_states
+
+    states = list(train_states(steps))
+    manifest = layout.describe(states[0])
+    with a.client() as c:
+        return shm.Slots(list(c.attach(job, 0, 1, manifest).slot_paths), manifest), states
+
+
 @pytest.fixture
 def pair(daemons):
     b = daemons.start()
@@ -154,23 +164,18 @@ def test_idle_daemon_exits_by_itself(daemons):
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
-    from helpers import train_states
-
-    a = daemons.start("--idle-exit", "3")
-    states = list(train_states(2))
-    manifest = layout.describe(states[0])
-    with a.client() as c:
-        slots = shm.Slots(list(c.attach("j10", 0, 1, manifest).slot_paths), manifest)
+    a = daemons.start("--idle-exit", "5")
+    slots, states = attached_slots(a, "j10", 2)
     try:
-        for v in range(1, 25):  # 6 s of commits, twice the idle timeout, and no call to the daemon
+        for v in range(1, 41):  # 8 s of commits, past the idle timeout, and no call to the daemon
             slots.commit(states[v % 2], v)
-            time.sleep(0.25)
+            time.sleep(0.2)
             assert a.proc.poll() is None, f"the daemon exited while commits went on (version {v}):\n{a.log()}"
         assert all(p.exists() for p in slots.paths)
     finally:
         slots.close()
     assert a.proc.wait(30) == 0  # commits stopped: idle now
-    assert "idle for 3s" in a.log()
+    assert "idle for 5s" in a.log()
 
 
 def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):
@@ -179,13 +184,8 @@ def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):
     name no attached rank, or are malformed, change nothing."""
     import socket
 
-    from helpers import train_states
-
     a = daemons.start("--slot-poll", "3600")
-    states = list(train_states(3))
-    manifest = layout.describe(states[0])
-    with a.client() as c:
-        slots = shm.Slots(list(c.attach("j11", 0, 1, manifest).slot_paths), manifest)
+    slots, states = attached_slots(a, "j11", 3)
     try:
         address, ring = slots._bell
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
@@ -298,13 +298,9 @@ def test_replication_over_mutual_tls_and_health(daemons, tmp_path):
 def test_daemon_checksums_each_commit_and_a_corrupted_slot_is_refused(daemons):
     """The worker commits without a checksum; the daemon computes it when it takes the slot and a reader
     verifies against it, so a slot whose memory changed after the commit is never restored."""
-    from helpers import train_states
-
     a = daemons.start()
-    states = list(train_states(2))
-    manifest = layout.describe(states[0])
+    slots, states = attached_slots(a, "j9", 2)
     with a.client() as c:
-        slots = shm.Slots(list(c.attach("j9", 0, 1, manifest).slot_paths), manifest)
         try:
             for v, s in enumerate(states, 1):
                 slots.commit(s, v)
