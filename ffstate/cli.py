@@ -142,6 +142,16 @@ def cmd_status(args: argparse.Namespace) -> int:
                              f"{r.seconds:.3f}", f"{r.entry_seconds:.2f}")
     if restores.row_count:
         console.print(restores)
+    profiled = Table(title="profiled timelines (ranks whose collectives nothing marks: the scheduler predicts from these)")
+    for col in ("job", "rank", "steps profiled", "collectives a step", "step s", "on the wire s", "share"):
+        profiled.add_column(col, justify="left" if col == "job" else "right")
+    for address, inv, s, key in rows:
+        if s.local and s.HasField("profiled"):
+            t = s.profiled
+            profiled.add_row(key[0], f"{key[1]}/{key[2]}", str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}",
+                             f"{t.busy_seconds:.3f}", f"{t.busy_seconds / t.period_seconds:.2f}")
+    if profiled.row_count:
+        console.print(profiled)
     links = Table(title="replication links (scheduler)")
     for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
                 "collisions", "overlap s"):

@@ -60,8 +60,13 @@ class Config:
             user declares identical across all ranks, where ``auto`` cannot infer it (a model not
             wrapped in DDP whose gradients are all-reduced by hand). Verified like the inferred ones.
         scheduler: how the node's daemon paces replication: ``windows`` sends into the training's
-            idle network windows (marked by a DDP communication hook) under ``link_share`` of the
-            link; ``naive`` sends as soon as a version is captured.
+            idle network windows (marked by DDP's communication hook or at FSDP2's collectives, else
+            profiled: ``profile_steps``) under ``link_share`` of the link; ``naive`` sends as soon as a
+            version is captured.
+        profile_steps: where nothing marks the training's collectives (neither DDP nor FSDP2: gradients
+            all-reduced by hand, tensor parallelism), the ``windows`` scheduler learns their timeline
+            from this many steps run under ``torch.profiler`` after the first two commits; 0: off
+            (replication is then paced by rate alone).
         link_share: share of each link's estimated bandwidth replication may use.
         link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
             known; "" measures it from the first push and follows it.
@@ -93,6 +98,7 @@ class Config:
     razor_identical: str = ""
     razor_verify_every: int = 100
     scheduler: str = "windows"
+    profile_steps: int = 3
     link_share: float = 0.5
     link_bandwidth: str = ""
     metrics_port: int = 0
@@ -110,6 +116,8 @@ class Config:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if not 0 < self.link_share <= 1:
             raise ValueError(f"link_share must be in (0, 1], got {self.link_share}")
+        if self.profile_steps < 0:
+            raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.razor_verify_every < 1:
             raise ValueError(f"razor_verify_every must be >= 1, got {self.razor_verify_every}")
         if self.replicas < 0 or self.max_lag < 1 or self.simulated_nodes < 0:

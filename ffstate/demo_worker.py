@@ -75,8 +75,9 @@ def main() -> None:
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
-    p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2"), default="ddp-zero",
-                   help="DDP with a ZeRO-sharded AdamW (default), DDP with a plain AdamW, or FSDP2 (fully_shard)")
+    p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2", "manual"), default="ddp-zero",
+                   help="DDP with a ZeRO-sharded AdamW (default), DDP with a plain AdamW, FSDP2 (fully_shard), or "
+                        "no wrapper with the gradients all-reduced by hand (the scheduler profiles its steps)")
     p.add_argument("--perturb-rank", type=int, default=-1,
                    help="after --perturb-step, this rank's copy of one parameter differs from the others' (for "
                         "the razor's verification; the reference run must be given the same)")
@@ -100,6 +101,9 @@ def main() -> None:
     elif a.parallel == "ddp":
         model = DDP(TinyGPT(**MODEL))
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    elif a.parallel == "manual":  # no wrapper: the gradients are all-reduced by hand (nothing to mark)
+        model = TinyGPT(**MODEL)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     else:
         model = DDP(TinyGPT(**MODEL))
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3,
@@ -121,6 +125,8 @@ def main() -> None:
         loss = _loss(model, batch(step, rank))
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if a.parallel == "manual":
+            allreduce_gradients(model, world)
         if kill_me(step + 1, "mid-step"):
             die(step)
         if kill_me(step + 1, "mid-commit"):
@@ -205,6 +211,15 @@ def _die_inside_the_next_commit(die) -> None:
         die()
 
     codec.pack_into = torn
+
+
+def allreduce_gradients(model: torch.nn.Module, world: int) -> None:
+    """Data parallelism by hand: every gradient averaged over the ranks, all on the wire at once."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for work in [dist.all_reduce(g, async_op=True) for g in grads]:
+        work.wait()
+    for g in grads:
+        g.div_(world)
 
 
 def _loss(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ scheduler lets it go when
 - the training has no collective on the wire now (its workers mark each DDP gradient bucket's
   all-reduce, or FSDP2's all-gathers and reduce-scatters, start and end, in their slot headers:
   ``shm.CommMarks``), and none is predicted before the chunk would be through (the last step's
-  collectives, at the same offsets from the step's commit, are taken as the next step's), and
+  collectives, at the same offsets from the step's commit, are taken as the next step's; where
+  nothing marks the collectives, a few profiled steps give their offsets: ``profiling.py``), and
 - a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth,
   trickling, never in bursts (queued bytes would delay the next collective).
 
@@ -37,6 +38,8 @@ from ffstate.config import Config
 
 # The training's collectives, as the workers mark them: (in flight now, recent (start, end) times, commit times).
 Busy = Callable[[], "tuple[int, list[tuple[float, float]], list[float]]"]
+# The training's collectives predicted from profiled timelines (``project``): (start, end) wall-clock times.
+Predicted = Callable[[], "list[tuple[float, float]]"]
 
 log = logging.getLogger("ffstate.scheduler")
 
@@ -177,6 +180,7 @@ class Scheduler:
         share: fraction of the link's estimated bandwidth replication may use.
         link_bytes_per_s: the link's bandwidth when known (0: measured from the pushes).
         deadline: versions behind at which windows are ignored (the lag bound is near).
+        predicted: the collectives predicted from the workers' profiled timelines, where no marks are.
         clock, wall, sleep: monotonic seconds, wall-clock seconds (the marks' clock) and sleeping;
             replaceable for tests.
     """
@@ -185,10 +189,12 @@ class Scheduler:
 
     def __init__(self, busy: Busy, share: float = 0.5,
                  link_bytes_per_s: float = 0.0, deadline: int = 3, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 predicted: Predicted | None = None):
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.busy, self.share, self.link_bytes_per_s, self.deadline = busy, share, link_bytes_per_s, max(1, deadline)
+        self.predicted = predicted
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self.timeline = Timeline(busy)
         self._links: dict[str, LinkState] = {}
@@ -253,6 +259,8 @@ class Scheduler:
             inflight, intervals, commits = marks
             now = self.wall()
             until = predicted_busy_until(now, now + seconds + GUARD, intervals, commits)
+            if until is None and self.predicted is not None:  # no marks: the profiled timelines
+                until = next((e for s, e in self.predicted() if s < now + seconds + GUARD and e > now), None)
             if not inflight and until is None:
                 return
             # on the wire now: until its predicted end, else a poll; predicted: until it is over
@@ -320,3 +328,15 @@ def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, 
                 if ps < end and pe > start:
                     return pe
     return None
+
+
+def project(intervals: "tuple[tuple[float, float], ...]", period: float, commits: list[float]
+            ) -> list[tuple[float, float]]:
+    """A profiled timeline (``intervals``: offsets after a step's commit; ``period``: the step's length)
+    placed after the newest of ``commits`` and one step later: the predicted collectives of the step in
+    progress and of the next. The step's length is the last one's where two commits are known."""
+    if not commits:
+        return []
+    last = commits[-1]
+    step = last - commits[-2] if len(commits) > 1 and last > commits[-2] else period
+    return [(base + s, base + e) for base in (last, last + step) for s, e in intervals]

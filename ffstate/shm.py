@@ -43,6 +43,7 @@ import torch
 from ffstate import codec
 from ffstate.errors import FFStateError
 from ffstate.layout import Manifest
+from ffstate.profiling import ProfiledTimeline
 
 log = logging.getLogger("ffstate.shm")
 
@@ -77,6 +78,12 @@ BELL_NAME_MAX = 256
 # record_restore.
 RESTORE_OFFSET = BELL_OFFSET + BELL.size + BELL_NAME_MAX + 6  # 8-byte aligned
 RESTORE = struct.Struct("<QQQdd")
+# Written by the worker only (slot 0's header, once): the profiled timeline of a training whose collectives are
+# not marked (see profiling.py): steps profiled, the intervals' count, the step's period (s), then up to
+# TIMELINE_MAX (start, end) offsets (s) from the step's commit. The steps field is written last: 0 reads as none.
+TIMELINE_OFFSET = RESTORE_OFFSET + RESTORE.size
+TIMELINE = struct.Struct("<QQd")
+TIMELINE_MAX = 64
 STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -356,6 +363,27 @@ class Slots:
     def restore_record(self) -> tuple[int, int, int, float, float]:
         """(restores, and the newest one's version, steps lost, seconds, seconds from entry); all 0 for none."""
         return RESTORE.unpack_from(self._maps[0], RESTORE_OFFSET) if self._maps else (0, 0, 0, 0.0, 0.0)
+
+    def set_profiled_timeline(self, timeline: ProfiledTimeline) -> None:
+        """Worker side: the training's collectives as a few profiled steps showed them, for the scheduler."""
+        mm = self._maps[0]
+        intervals = timeline.intervals[:TIMELINE_MAX]
+        struct.pack_into("<Q", mm, TIMELINE_OFFSET, 0)  # none while it is rewritten
+        if intervals:
+            struct.pack_into(f"<{2 * len(intervals)}d", mm, TIMELINE_OFFSET + TIMELINE.size,
+                             *(x for pair in intervals for x in pair))
+        TIMELINE.pack_into(mm, TIMELINE_OFFSET, 0, len(intervals), timeline.period)
+        struct.pack_into("<Q", mm, TIMELINE_OFFSET, timeline.steps)
+
+    def profiled_timeline(self) -> ProfiledTimeline | None:
+        """What ``set_profiled_timeline`` wrote (None: nothing, or nothing sane)."""
+        if not self._maps:
+            return None
+        steps, n, period = TIMELINE.unpack_from(self._maps[0], TIMELINE_OFFSET)
+        if not steps or n > TIMELINE_MAX or not period > 0:
+            return None
+        flat = struct.unpack_from(f"<{2 * n}d", self._maps[0], TIMELINE_OFFSET + TIMELINE.size)
+        return ProfiledTimeline(steps, period, tuple(zip(flat[::2], flat[1::2])))
 
     def razor_counters(self) -> tuple[int, int]:
         return struct.unpack_from("<QQ", self._maps[0], RAZOR_OFFSET) if self._maps else (0, 0)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ffstate import capture, layout, placement, razor, recovery, shm
+from ffstate import capture, layout, placement, profiling, razor, recovery, shm
 from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client
 from ffstate.config import Config
@@ -108,6 +108,7 @@ class Replicated:
         self.holders = self._holder_addresses()
         self.razor_groups = razor.infer(self.model, self.optimizer, world, cfg)
         self._marks = self._comm_marks(rank)
+        self._profiler = self._step_profiler()
         log.info("rank %d: razor: %s", rank, self.razor_groups.reason if self.razor_groups else
                  razor.why_not(world, cfg))
         self._restore()
@@ -143,6 +144,8 @@ class Replicated:
         self._close()
 
     def _close(self) -> None:
+        if self._profiler is not None:
+            self._profiler.close()
         self._marks.attach(None)
         if self._slots is not None:
             self._slots.close()
@@ -168,6 +171,8 @@ class Replicated:
             self._slots.commit(state, step, wait=SLOT_WAIT if block else 0.0)
             del state
         self._last = step
+        if self._profiler is not None:
+            self._profiled(self._profiler.on_commit())
         if not self.holders:
             return
         if self._slots.wait_timed_out:
@@ -222,7 +227,9 @@ class Replicated:
         ``razor_group``, ``razor_verifications``, ``razor_mismatches``; once a restored rank has
         committed, its restores as its workers recorded them: ``restores`` and the newest one's
         ``restore_version`` (v*), ``restore_steps_lost``, ``restore_seconds``, ``restore_entry_seconds``;
-        and, for the whole node (its
+        where this rank profiled its steps for the scheduler (nothing marks its collectives),
+        ``profiled_steps``, ``profiled_collectives`` (a step), ``profiled_period_seconds`` (the step) and
+        ``profiled_busy_seconds`` (its collectives on the wire); and, for the whole node (its
         daemon's scheduler), ``collectives`` (the training's collectives it saw marked), ``collisions``
         (those that started while a replication chunk was on the wire) and ``overlap_seconds`` (how long
         replication shared the link with them).
@@ -243,6 +250,10 @@ class Replicated:
                 r = s.restore
                 out.update(restores=r.restores, restore_version=r.version, restore_steps_lost=r.steps_lost,
                            restore_seconds=r.seconds, restore_entry_seconds=r.entry_seconds)
+            if s.HasField("profiled"):
+                t = s.profiled
+                out.update(profiled_steps=t.steps, profiled_collectives=t.collectives,
+                           profiled_period_seconds=t.period_seconds, profiled_busy_seconds=t.busy_seconds)
         return out
 
     # ------------------------------------------------------------ capture and restore
@@ -379,6 +390,13 @@ class Replicated:
             self._slots.record_restore(*self._restore_report)
             self._restore_report = None
         self._marks.attach(self._slots)
+        if self._timeline is not None:
+            self._slots.set_profiled_timeline(self._timeline)
+        elif self._profiler is not None and (kept := self._slots.profiled_timeline()) is not None:
+            self._profiler = None  # a restarted worker: its slots hold what its previous attempt profiled
+            self._timeline = self.model._ffstate_timeline = kept
+            log.info("rank %d: the scheduler keeps the timeline profiled before the restart (collectives a step: %d)",
+                     self.rank, len(kept.intervals))
 
     # ------------------------------------------------------------ daemons
 
@@ -402,6 +420,36 @@ class Replicated:
                 model._ffstate_marks = marks
                 log.info("rank %d: the scheduler sees the all-gathers and reduce-scatters of %d FSDP2 modules", rank, n)
         return marks
+
+    def _step_profiler(self) -> profiling.StepProfiler | None:
+        """Where nothing marks the training's collectives (neither DDP nor FSDP2) and the daemon paces
+        replication into their windows: a few profiled steps give it their timeline (profiling.py). Once per
+        model: a timeline found stays with it across ``replicate`` contexts."""
+        cfg, model = self.cfg, self.model
+        self._timeline: profiling.ProfiledTimeline | None = None
+        if (cfg.scheduler != "windows" or not cfg.profile_steps or not self.holders or self.world == 1
+                or getattr(model, "_ffstate_marks", None) is not None):
+            return None
+        self._timeline = getattr(model, "_ffstate_timeline", None)
+        if self._timeline is not None:
+            return None
+        return profiling.StepProfiler(cfg.profile_steps, cuda=any(p.is_cuda for p in model.parameters()))
+
+    def _profiled(self, timeline: profiling.ProfiledTimeline | None) -> None:
+        if timeline is None:
+            if self._profiler.done:  # it could not run
+                self._profiler = None
+            return
+        self._profiler = None
+        self._timeline = self.model._ffstate_timeline = timeline
+        self._slots.set_profiled_timeline(timeline)
+        if timeline.intervals:
+            log.info("rank %d: profiled %d steps for the scheduler (nothing marks this training's collectives): "
+                     "collectives a step: %d, on the wire %.0f ms of its %.0f ms", self.rank, timeline.steps,
+                     len(timeline.intervals), timeline.busy_seconds * 1e3, timeline.period * 1e3)
+        else:
+            log.info("rank %d: profiled %d steps for the scheduler and found no gloo or NCCL collectives in them: "
+                     "replication is paced by rate only", self.rank, timeline.steps)
 
     def _generation(self) -> str:
         """A name for this attempt that every rank agrees on: rank 0's random number, broadcast.

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from ffstate import layout, shm
-from ffstate.scheduler import Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until
+from ffstate import layout, profiling, shm
+from ffstate.scheduler import Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until, project
 
 
 class FakeClock:
@@ -32,6 +32,10 @@ def idle():
     return 0, [], []
 
 
+def flat(intervals) -> list[float]:
+    return [x for pair in intervals for x in pair]
+
+
 def test_prediction_repeats_the_last_steps_collectives_after_the_newest_commit():
     commits = [10.0, 11.0]  # one step per second
     intervals = [(10.2, 10.4), (10.7, 10.8), (9.5, 9.6)]  # the last one is from an older step
@@ -40,6 +44,37 @@ def test_prediction_repeats_the_last_steps_collectives_after_the_newest_commit()
     assert predicted_busy_until(11.75, 11.76, intervals, commits) == pytest.approx(11.8)
     assert predicted_busy_until(11.9, 12.25, intervals, commits) == pytest.approx(12.4)  # the step after
     assert predicted_busy_until(11.1, 11.3, intervals, [11.0]) is None  # one commit: no step length yet
+
+
+def test_profiled_timeline_is_the_median_steps_collectives_as_offsets_from_its_commit():
+    marks = [0.0, 1.0, 2.2, 3.1]  # steps of 1.0, 1.2 and 0.9 s: the median is the first
+    collectives = [(0.1, 0.2), (0.15, 0.3), (0.5, 0.6), (1.1, 1.5), (2.3, 2.4), (3.2, 3.3)]
+    t = profiling.timeline_of(marks, collectives)
+    assert (t.steps, t.period) == (3, 1.0)
+    assert flat(t.intervals) == pytest.approx([0.1, 0.3, 0.5, 0.6])  # overlapping ones merged
+    assert t.busy_seconds == pytest.approx(0.3)
+    assert profiling.timeline_of([5.0], collectives) is None  # no whole step
+    # More than the slot header holds: the smallest gaps are closed, every collective still covered.
+    many = [(i * 0.01 + (0.004 if i % 3 else 0.0), i * 0.01 + 0.006) for i in range(90)]
+    coarse = profiling.timeline_of([0.0, 1.0], many).intervals
+    assert len(coarse) <= profiling.MAX_INTERVALS
+    assert all(any(a <= s and e <= b for a, b in coarse) for s, e in many)
+    assert profiling.is_collective("gloo:all_reduce", False) and not profiling.is_collective("aten::mm", False)
+    assert profiling.is_collective("ncclDevKernel_AllGather_RING_LL", True)
+    assert not profiling.is_collective("nccl:all_reduce", False)  # NCCL's CPU side only launches the kernel
+
+
+def test_a_profiled_timeline_is_placed_after_the_newest_commit_and_holds_chunks_out_of_it():
+    intervals = ((0.2, 0.4),)
+    assert flat(project(intervals, 1.0, [10.0, 10.5])) == pytest.approx([10.7, 10.9, 11.2, 11.4])  # the last step's
+    assert flat(project(intervals, 1.0, [10.0])) == pytest.approx([10.2, 10.4, 11.2, 11.4])  # one commit: profiled
+    assert project(intervals, 1.0, []) == []
+    for predicted, released in ((None, 11.15), (lambda: project(intervals, 1.0, [10.0, 11.0]), 11.4)):
+        clock = FakeClock(11.05)
+        s = scheduler(idle, clock, share=1.0, link_bytes_per_s=1e6, predicted=predicted)
+        s.before_chunk("h", 100_000)  # the empty bucket holds it to 11.15; on the wire 0.1 s, into 11.2-11.4
+        assert clock.now == pytest.approx(released, abs=0.003)
+        assert s.timeline.collectives == 0  # predictions are not counted as the training's collectives
 
 
 def test_collisions_count_collectives_that_start_while_a_chunk_is_on_the_wire():
@@ -165,6 +200,33 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         assert daemon.comm_marks()[0] == 1
         monkeypatch.setattr(shm, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
         assert daemon.comm_marks()[0] == 0
+    finally:
+        worker.close()
+        daemon.close()
+
+
+def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    state = {"w": torch.zeros(10)}
+    manifest = layout.describe(state)
+    paths = shm.slot_paths("n0", "jp", 0, 1)
+    shm.create_slots(paths, manifest, 4096)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    try:
+        assert daemon.profiled_timeline() is None
+        t = profiling.ProfiledTimeline(3, 0.25, ((0.01, 0.02), (0.1, 0.15)))
+        worker.set_profiled_timeline(t)
+        assert daemon.profiled_timeline() == t
+        worker.commit(state, 1)  # commits leave it
+        assert daemon.profiled_timeline() == t
+        full = profiling.ProfiledTimeline(3, 1.0, tuple((i / 100, i / 100 + 0.005) for i in range(shm.TIMELINE_MAX)))
+        worker.set_profiled_timeline(full)
+        assert daemon.profiled_timeline() == full
+        worker.set_profiled_timeline(profiling.ProfiledTimeline(3, 0.2, ()))  # profiled, no collectives found
+        assert daemon.profiled_timeline().intervals == ()
+        assert shm.TIMELINE_OFFSET + shm.TIMELINE.size + 16 * shm.TIMELINE_MAX <= shm.PAGE  # inside the header
     finally:
         worker.close()
         daemon.close()

@@ -60,13 +60,14 @@ def reference(tmp_path_factory):
 
 def test_rank_killed_right_after_a_commit_resumes_bit_exact_losing_nothing(reference, tmp_path):
     job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "2", "--kill-step", "5")
+    proc = torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "2", "--kill-step", "5")
     assert (tmp_path / "out" / "killed-rank").exists()
     events = restores(tmp_path, job)
     assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
     assert {e["version"] for e in events} == {5} and {e["steps_lost"] for e in events} == {0}
     assert all("local slots" in e["source"] for e in events)  # no node was lost: memory copies
     assert compare(tmp_path / "out", reference, 4) == []
+    assert "profiled" not in proc.stdout + proc.stderr  # DDP marks its collectives: nothing to profile
     finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
                 if json.loads(line)["event"] == "finished"]
     assert sorted(e["rank"] for e in finished) == [0, 1, 2, 3]
@@ -119,6 +120,27 @@ def test_daemon_killed_while_training_goes_on_then_a_rank_dies(reference, tmp_pa
     restored = [e for e in events if e["event"] == "restored"]
     assert {e["version"] for e in restored} == {10} and {e["steps_lost"] for e in restored} == {0}
     assert compare(tmp_path / "out", reference, 4) == []
+
+
+def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp_path):
+    """No DDP, no FSDP2: the gradients are all-reduced by hand, so nothing marks the collectives. Each worker
+    profiles 3 steps after its second commit and writes the timeline it found into its slot header; after a
+    rank is killed the restarted workers keep it; `ffstate status` shows it; the run ends bit-identical."""
+    ref = tmp_path / "ref"
+    torchrun(ref / "out", env_for(ref, "refman"), "--parallel", "manual", "--no-ffstate")
+    job = f"t{uuid.uuid4().hex[:6]}"
+    proc = torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "manual", "--kill-rank", "1",
+                    "--kill-step", "7", "--status-step", "10")
+    out = proc.stdout + proc.stderr
+    profiled = re.findall(r"rank (\d): profiled 3 steps for the scheduler .*collectives a step: (\d+), on the wire", out)
+    assert sorted(int(r) for r, _ in profiled) == [0, 1, 2, 3] and all(int(n) >= 1 for _, n in profiled), out[-3000:]
+    assert len(re.findall(r"keeps the timeline profiled before the restart", out)) == 4  # not profiled again
+    assert {e["version"] for e in restores(tmp_path, job)} == {7}
+    status = (tmp_path / "out" / "status.txt").read_text()
+    assert "profiled timelines" in status, status
+    for rank in range(4):  # steps profiled 3, at least one collective a step
+        assert re.search(rf"{job} +│ +{rank}/4 +│ +3 +│ +[1-9]\d* +│", status), status
+    assert compare(tmp_path / "out", ref / "out", 4) == []
 
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):

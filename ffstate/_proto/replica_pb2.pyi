@@ -153,7 +153,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class ShardInfo(_message.Message):
     PUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUSHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    PROFILED_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -178,7 +179,20 @@ class ShardInfo(_message.Message):
     pushed_bytes: int
     pushed_versions: int
     restore: RestoreInfo
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ...) -> None: ...
+    profiled: ProfiledInfo
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ...) -> None: ...
+
+class ProfiledInfo(_message.Message):
+    __slots__ = ("steps", "collectives", "period_seconds", "busy_seconds")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    collectives: int
+    period_seconds: float
+    busy_seconds: float
+    def __init__(self, steps: _Optional[int] = ..., collectives: _Optional[int] = ..., period_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class RestoreInfo(_message.Message):
     __slots__ = ("restores", "version", "steps_lost", "seconds", "entry_seconds")

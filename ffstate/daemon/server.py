@@ -31,7 +31,7 @@ from ffstate.daemon.replicator import LocalShard, Pacer, Replicator
 from ffstate.daemon.store import IncomingChunk, ShardKey, Store
 from ffstate.errors import CodecError, FFStateError, ReplicaError
 from ffstate.layout import Manifest
-from ffstate.scheduler import Naive, Scheduler
+from ffstate.scheduler import Naive, Scheduler, merge_intervals, project
 
 log = logging.getLogger("ffstate.daemon")
 
@@ -138,7 +138,8 @@ class Daemon(pb_grpc.ReplicaServicer):
         if cfg.scheduler != "windows":
             raise FFStateError(f"scheduler must be windows or naive, got {cfg.scheduler!r}")
         # Past keep_deltas - 1 versions behind, a sender must not wait for windows: the worker's lag bound is near.
-        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 1))
+        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 1),
+                         predicted=self._predicted)
 
     def _comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
         """The training's collectives as this node's workers mark them (for the scheduler)."""
@@ -155,6 +156,20 @@ class Daemon(pb_grpc.ReplicaServicer):
             if len(c) > len(commits) or (c and commits and c[-1] > commits[-1]):
                 commits = c
         return inflight, intervals, commits
+
+    def _predicted(self) -> list[tuple[float, float]]:
+        """The collectives of the workers that profiled their steps (no marks), placed after their newest commits."""
+        out: list[tuple[float, float]] = []
+        with self._lock:
+            shards = list(self.local.values())
+        for shard in shards:
+            try:
+                timeline = shard.slots.profiled_timeline()
+                if timeline is not None:
+                    out += project(timeline.intervals, timeline.period, shard.slots.comm_marks()[2])
+            except (ValueError, IndexError, struct.error):  # dropped (its mappings closed) while we looked
+                continue
+        return merge_intervals(out)
 
     def idle_seconds(self) -> float:
         """Seconds since the last request or the last commit into an attached rank's slots (a worker with no
@@ -338,13 +353,17 @@ class Daemon(pb_grpc.ReplicaServicer):
                 restores, version, lost, seconds, entry = s.slots.restore_record()
                 restore = pb.RestoreInfo(restores=restores, version=version, steps_lost=lost, seconds=seconds,
                                          entry_seconds=entry) if restores else None
+                timeline = s.slots.profiled_timeline()
+                profiled = pb.ProfiledInfo(steps=timeline.steps, collectives=len(timeline.intervals),
+                                           period_seconds=timeline.period,
+                                           busy_seconds=timeline.busy_seconds) if timeline else None
                 shards.append(pb.ShardInfo(
                     shard=pb.ShardKey(job_id=key.job_id, rank=key.rank, world_size=key.world_size), local=True,
                     version=done[0][0] if done else 0, bytes=s.reserved,
                     versions=sorted({v for v, _ in done} | set(back), reverse=True),
                     last_update_unix=s.last_push, source=str(s.paths[0].parent),
                     replicated_version=s.replicated_version, razor=razor, pushed_bytes=s.pushed_bytes,
-                    pushed_versions=s.pushed_versions, restore=restore))
+                    pushed_versions=s.pushed_versions, restore=restore, profiled=profiled))
             for r in self.store.inventory(request.job_id):
                 k = r["key"]
                 shards.append(pb.ShardInfo(
