@@ -1,13 +1,18 @@
 """The torchrun worker of ``ffstate bench overhead``: the same training in interleaved phases, each mode in turn
 (in each repeat an order of a balanced Latin square: ``phase_order``).
 
-    torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2
-        [--modes off,local,naive,scheduler,razor-off] [--steps 10] [--repeats 3] [--size small|medium|large] [--batch 8]
+    torchrun --nproc-per-node 4 -m ffstate.bench._overhead_worker --out DIR --parallel ddp|ddp-zero|fsdp2|manual
+        [--modes off,local,naive,scheduler,unprofiled,razor-off] [--steps 10] [--repeats 3]
+        [--size small|medium|large] [--batch 8]
 
 Modes (``MODES``): ``off`` (no ffstate); ``local`` (ffstate with no replicas: the commit into the
 node's shared memory and the daemon's checksum of it, nothing on the network); ``naive`` (razor on,
 sent as soon as captured); ``scheduler`` (razor on, paced into the training's idle windows);
-``razor-off`` (the scheduler, every rank's whole state replicated). The daemons of each scheduler
+``razor-off`` (the scheduler, every rank's whole state replicated); ``unprofiled`` (the scheduler without
+the profiled timeline: where nothing marks the collectives, ``manual``, it then paces by rate alone).
+``manual`` is data parallelism by hand (no wrapper; every gradient all-reduced at once after the
+backward), whose collectives the scheduler learns from profiled steps: the first phase that
+profiles pays for it in three of its timed steps (a few percent each; the medians barely move). The daemons of each scheduler
 policy listen on the base port that ``$FFSTATE_BENCH_PORTS`` names (``naive:7700,windows:7800``).
 Each phase is a fresh ffstate job on the same model, so its first commit sends a full version; step
 times are taken from the third step on, and the bytes on the wire per step are the daemon's counters
@@ -34,18 +39,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ffstate
 from ffstate.bench._report import phase_order
 from ffstate.bench.codec import SIZES
+from ffstate.demo_worker import allreduce_gradients
 from ffstate.models import TinyGPT
 
 FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
-         "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1)}
+         "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1), "unprofiled": ("auto", "windows", 1)}
+PROFILE_STEPS = {"unprofiled": 0}  # Config.profile_steps where not the default
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--parallel", choices=("ddp", "ddp-zero", "fsdp2"), default="ddp")
+    p.add_argument("--parallel", choices=("ddp", "ddp-zero", "fsdp2", "manual"), default="ddp")
     p.add_argument("--modes", default="off,naive,scheduler,razor-off")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--repeats", type=int, default=3)
@@ -64,6 +71,8 @@ def main() -> None:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
+    elif a.parallel == "manual":
+        model = TinyGPT(**SIZES[a.size])
     else:
         model = DDP(TinyGPT(**SIZES[a.size]))
     if a.parallel != "ddp-zero":
@@ -84,6 +93,8 @@ def main() -> None:
         t1 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if a.parallel == "manual":
+            allreduce_gradients(model, dist.get_world_size())
         t2 = time.perf_counter()
         opt.step()
         return [t1 - t0, t2 - t1, time.perf_counter() - t2]
@@ -108,6 +119,7 @@ def main() -> None:
             razor, scheduler, replicas = MODES[mode]
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
             cfg = ffstate.Config.from_env(razor=razor, replicas=replicas, start_daemon=False, base_port=int(ports[scheduler]),
+                                          profile_steps=PROFILE_STEPS.get(mode, ffstate.Config.profile_steps),
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
             res["steps_run"] += a.steps
             with ffstate.replicate(model, opt, config=cfg) as ff:

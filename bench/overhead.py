@@ -3,8 +3,10 @@ and off, in one run, on loopback and on tc-shaped links.
 
 torchrun with 4 CPU ranks as 2 nodes (2 with ``--ranks-per-node 1``) trains TinyGPT under DDP
 (plain AdamW: model and optimizer state identical across the group), under DDP with a
-ZeroRedundancyOptimizer, and under FSDP2 (``fully_shard``: all-gathers from the forward's first
-layer on, so replication sent at a commit meets the next step's collectives at once). On
+ZeroRedundancyOptimizer, under FSDP2 (``fully_shard``: all-gathers from the forward's first
+layer on, so replication sent at a commit meets the next step's collectives at once), and with
+``manual`` data parallelism (no wrapper, the gradients all-reduced by hand: nothing marks its
+collectives, so the scheduler learns them from a few profiled steps). On
 ``loopback`` the nodes are simulated on one network; on a rate such as ``200mbit`` each node is a
 network namespace with its own torchrun agent and daemons, joined by a veth link shaped with
 ``tc``, so the training's gloo traffic and the replication cross the same slow link. In each job
@@ -16,7 +18,9 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
   ratio to ``off`` is the commit's share of ``scheduler``'s);
 - ``naive``: ffstate, razor on, every version sent as soon as it is captured;
 - ``scheduler``: ffstate, razor on, paced into the training's idle windows under a share of the link;
-- ``razor-off``: the scheduler, every rank replicating its whole state.
+- ``razor-off``: the scheduler, every rank replicating its whole state;
+- ``unprofiled``: the scheduler without a profiled timeline (``profile_steps=0``): under ``manual``
+  it paces by rate alone, which is what the profiled steps are measured against.
 
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``, pooled
 over phases and paired (each phase against the ``off`` phase of its repeat, median over repeats); the
@@ -28,7 +32,7 @@ the daemons from the workers' marks: what the pacing is for, without a noisy ste
 daemons' CPU per step (from /proc).
 Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
-Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2] [--modes off,naive,scheduler,razor-off]
+Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2,manual] [--modes off,naive,scheduler,razor-off]
 [--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small] [--batch 8] [--link-share 0.5]
 [--daemon-nice 19|idle] [--measure-link] [--ranks-per-node 2] [--pin 0:1]``.
 """
@@ -281,11 +285,13 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", default="ddp,ddp-zero",
-                   help="jobs to run: ddp, ddp-zero, fsdp2 (default: ddp,ddp-zero)")
+                   help="jobs to run: ddp, ddp-zero, fsdp2, manual (gradients all-reduced by hand) "
+                        "(default: ddp,ddp-zero)")
     p.add_argument("--modes", default="off,naive,scheduler,razor-off",
                    help="off (no ffstate), local (commits, no replicas: ffstate's cost before the network), naive "
                         "(razor on, sent at once), scheduler (razor on, paced into idle windows), razor-off "
-                        "(scheduler, whole states); default: off,naive,scheduler,razor-off")
+                        "(scheduler, whole states), unprofiled (scheduler, no profiled timeline); default: "
+                        "off,naive,scheduler,razor-off")
     p.add_argument("--link", default="loopback",
                    help="loopback and/or tc rates between 2 network namespaces, e.g. loopback,200mbit (needs root)")
     p.add_argument("--steps", type=int, default=10, help="steps per phase; the first two are not timed (default 10)")
@@ -314,9 +320,9 @@ def main(args: argparse.Namespace) -> int:
     parallels = [x for x in args.parallel.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     links = [x for x in args.link.split(",") if x]
-    if not set(parallels) <= {"ddp", "ddp-zero", "fsdp2"} or not set(modes) <= {"off", *MODES} or args.steps < 4 \
+    if not set(parallels) <= {"ddp", "ddp-zero", "fsdp2", "manual"} or not set(modes) <= {"off", *MODES} or args.steps < 4 \
             or args.batch < 1 or not 0 < args.link_share <= 1:
-        raise SystemExit(f"--parallel takes ddp, ddp-zero and/or fsdp2, --modes off and/or {sorted(MODES)}, "
+        raise SystemExit(f"--parallel takes ddp, ddp-zero, fsdp2 and/or manual, --modes off and/or {sorted(MODES)}, "
                          "--steps >= 4, --batch >= 1, --link-share in (0, 1]")
     if any(x != "loopback" for x in links) and netns.unavailable():
         raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
