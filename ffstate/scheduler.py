@@ -7,9 +7,11 @@ scheduler lets it go when
   all-reduce, or FSDP2's all-gathers and reduce-scatters, start and end, in their slot headers:
   ``shm.CommMarks``), and none is predicted before the chunk would be through (the last step's
   collectives, at the same offsets from the step's commit, are taken as the next step's; where
-  nothing marks the collectives, a few profiled steps give their offsets: ``profiling.py``), and
+  nothing marks the collectives, a few profiled steps give their offsets: ``profiling.py``), counting
+  from when the chunks released before it are through, and
 - a token bucket allows it: replication may use ``share`` of the link's estimated bandwidth,
-  trickling, never in bursts (queued bytes would delay the next collective).
+  trickling, never in bursts (queued bytes would delay the next collective); the whole link, still
+  in the windows, while a newer version waits behind the one being sent (the share does not keep up).
 
 The link estimate per holder is ``link_bytes_per_s`` when given (the NIC's rate: the reliable
 setting); else it starts from the first push (sent unpaced: the probe) and follows a running
@@ -57,6 +59,7 @@ BURST_SECONDS = 0.005
 # against 1.019 and 1.016 with this fixed guard, naive 1.10-1.12), as fewer windows were left to send in.
 GUARD = 0.002
 POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
+CATCH_UP = 2  # versions behind (taken, not yet at a holder) from which replication takes the whole link in windows
 
 
 @dataclass
@@ -232,7 +235,8 @@ class Scheduler:
         if not link.estimate:  # the probe: the first push goes unpaced and is timed
             return 0.0
         start = self.clock()
-        rate = link.estimate * self.share
+        # Behind (a version pushed while a newer one waits): the share does not keep up; the whole link, in windows.
+        rate = link.estimate * (self.share if behind < CATCH_UP else 1.0)
         if behind >= self.deadline:
             link.overrides += 1
             if link.overrides == 1 or link.overrides % 100 == 0:
@@ -240,7 +244,7 @@ class Scheduler:
                             "(%d chunks so far)", holder, behind, link.overrides)
         self._take_tokens(link, nbytes, rate)
         if behind < self.deadline:  # the window last: the rate cap's wait must not carry a chunk into a collective
-            self._wait_for_window(nbytes / max(link.estimate, 1.0))
+            self._wait_for_window(nbytes / max(link.estimate, 1.0), link)
         else:
             self.timeline.observe()
         self.timeline.chunk(link, nbytes, self.wall())
@@ -250,17 +254,19 @@ class Scheduler:
             link.sent_bytes += nbytes
         return waited
 
-    def _wait_for_window(self, seconds: float) -> None:
-        """Returns once nothing of the training is on the wire or predicted to be within ``seconds``."""
+    def _wait_for_window(self, seconds: float, link: LinkState | None = None) -> None:
+        """Returns once nothing of the training is on the wire, nor predicted before a chunk of ``seconds``
+        would be through (behind what ``link`` has on the wire already)."""
         give_up = self.clock() + 2.0  # a stale or wrong prediction must not stall replication
         while self.clock() < give_up:
             marks = self.busy()
             self.timeline.observe(marks)
             inflight, intervals, commits = marks
             now = self.wall()
-            until = predicted_busy_until(now, now + seconds + GUARD, intervals, commits)
+            through = max(now, link.wire_until if link is not None else now) + seconds + GUARD
+            until = predicted_busy_until(now, through, intervals, commits)
             if until is None and self.predicted is not None:  # no marks: the profiled timelines
-                until = next((e for s, e in self.predicted() if s < now + seconds + GUARD and e > now), None)
+                until = next((e for s, e in self.predicted() if s < through and e > now), None)
             if not inflight and until is None:
                 return
             # on the wire now: until its predicted end, else a poll; predicted: until it is over

@@ -127,6 +127,27 @@ def test_chunks_wait_while_the_training_is_on_the_wire_unless_the_lag_bound_is_n
     assert clock.slept == 0.0 and s.links()["h"].overrides == 1
 
 
+def test_replication_that_falls_behind_takes_the_whole_link_in_windows():
+    clock = FakeClock()
+    s = scheduler(idle, clock, share=0.5, link_bytes_per_s=1e6)
+    s.before_chunk("h", 100_000, behind=1)  # keeping up: the share, 0.5 MB/s
+    assert clock.slept == pytest.approx(0.2, abs=0.002)
+    clock.slept = 0.0
+    s.before_chunk("h", 100_000, behind=2)  # a newer version waits behind this one: the whole link
+    assert clock.slept == pytest.approx(0.1, abs=0.002)
+
+
+def test_a_chunk_queued_behind_others_must_clear_the_predicted_collective_too():
+    clock = FakeClock(11.0)
+    s = scheduler(idle, clock, share=1.0, link_bytes_per_s=1e6, predicted=lambda: [(11.25, 11.3)])
+    link = s._link("h")
+    link.tokens, link.wire_until = 1e9, 11.1  # released chunks are on the wire until 11.1
+    s.before_chunk("h", 100_000)  # alone it would be through at 11.1; queued, at 11.2 + guard: still clear
+    assert clock.now == pytest.approx(11.0)
+    s.before_chunk("h", 100_000)  # queued behind that one it would end at 11.3: waits the collective out
+    assert clock.now == pytest.approx(11.3, abs=0.003)
+
+
 def test_the_rate_cap_waits_first_so_a_chunk_never_runs_into_a_collective_meanwhile():
     clock = FakeClock()
     start = clock.now

@@ -290,11 +290,10 @@ class Replicator:
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key
         base_version = holder.acked if packed.kind == "delta" else 0
-        behind = shard.base_version - holder.acked
         held = [0.0]
 
-        def pace(n: int) -> None:
-            held[0] += self.pacer.before_chunk(holder.address, n, behind)
+        def pace(n: int) -> None:  # behind: taken versions this holder lacks, newer ones taken meanwhile included
+            held[0] += self.pacer.before_chunk(holder.address, n, shard.base_version - holder.acked)
 
         start = time.monotonic()
         try:
