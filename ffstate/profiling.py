@@ -92,14 +92,19 @@ class StepProfiler:
         self._commits = 0
         self._prof: torch.profiler.profile | None = None
         self._started = 0.0
+        self._last_commit = 0.0
+        self.step_before = 0.0  # seconds of the step before the profiled ones (the profiler's cost shows against it)
 
     def on_commit(self) -> ProfiledTimeline | None:
         if self.done:
             return None
         self._commits += 1
+        now, before = time.perf_counter(), self._last_commit
+        self._last_commit = now
         if self._prof is None:
             if self._commits < WARMUP_COMMITS or not self._start():
                 return None
+            self.step_before = now - before if before else 0.0
         with torch.profiler.record_function(MARKER):
             pass
         if self._commits < WARMUP_COMMITS + self.steps:

@@ -66,7 +66,8 @@ def test_profiled_timeline_is_the_median_steps_collectives_as_offsets_from_its_c
 
 def test_a_profiled_timeline_is_placed_after_the_newest_commit_and_holds_chunks_out_of_it():
     intervals = ((0.2, 0.4),)
-    assert flat(project(intervals, 1.0, [10.0, 10.5])) == pytest.approx([10.7, 10.9, 11.2, 11.4])  # the last step's
+    # The last step took 0.5 s, the profiled one 1.0: offsets scaled to it, and the next step 0.5 s on.
+    assert flat(project(intervals, 1.0, [10.0, 10.5])) == pytest.approx([10.6, 10.7, 11.1, 11.2])
     assert flat(project(intervals, 1.0, [10.0])) == pytest.approx([10.2, 10.4, 11.2, 11.4])  # one commit: profiled
     assert project(intervals, 1.0, []) == []
     for predicted, released in ((None, 11.15), (lambda: project(intervals, 1.0, [10.0, 11.0]), 11.4)):
