@@ -341,8 +341,9 @@ def project(intervals: "tuple[tuple[float, float], ...]", period: float, commits
     """A profiled timeline (``intervals``: offsets after a step's commit; ``period``: the step's length)
     placed after the newest of ``commits`` and one step later: the predicted collectives of the step in
     progress and of the next. Where two commits are known, the step is the last one's length and the
-    offsets are scaled to it: the profiler slowed the profiled steps' compute (by 5-10% on CPU), and a
-    collective at the end of the backward would otherwise be predicted that much late."""
+    offsets are scaled to it: the profiler slowed the profiled steps' compute (by 6-10% for TinyGPT
+    under gloo), and a collective at the end of the backward would otherwise be predicted that much
+    late (15 ms in a 240 ms step)."""
     if not commits:
         return []
     last = commits[-1]

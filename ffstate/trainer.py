@@ -440,14 +440,13 @@ class Replicated:
             if self._profiler.done:  # it could not run
                 self._profiler = None
             return
-        self._profiler_step_before, self._profiler = self._profiler.step_before, None
+        self._profiler = None
         self._timeline = self.model._ffstate_timeline = timeline
         self._slots.set_profiled_timeline(timeline)
         if timeline.intervals:
             log.info("rank %d: profiled %d steps for the scheduler (nothing marks this training's collectives): "
-                     "collectives a step: %d, on the wire %.0f ms of its %.0f ms (the step before: %.0f ms)",
-                     self.rank, timeline.steps, len(timeline.intervals), timeline.busy_seconds * 1e3,
-                     timeline.period * 1e3, self._profiler_step_before * 1e3)
+                     "collectives a step: %d, on the wire %.0f ms of its %.0f ms", self.rank, timeline.steps,
+                     len(timeline.intervals), timeline.busy_seconds * 1e3, timeline.period * 1e3)
         else:
             log.info("rank %d: profiled %d steps for the scheduler and found no gloo or NCCL collectives in them: "
                      "replication is paced by rate only", self.rank, timeline.steps)
