@@ -274,3 +274,32 @@ def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
         assert got["counts"] == [8, 16, 24] and got["inflight"] == 0
         assert got["tensors"] > 100 and got["differ"] == []
         assert got["capture_differs"] == []  # the commit reads state_dict(keep_vars=True): the same tensors
+
+
+def test_profiled_steps_find_the_collectives_and_yield_to_a_users_profiler(tmp_path):
+    """In-process: a 1-rank gloo group all-reduces in each step; the profiler finds it between the commits'
+    markers. With the user's own profiler running, ffstate does without."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        x = torch.ones(1 << 16)
+        p = profiling.StepProfiler(3)
+        got = []
+        for step in range(6):
+            time.sleep(0.01)
+            dist.all_reduce(x)
+            time.sleep(0.01)
+            got.append(p.on_commit())
+        assert got[:4] == [None] * 4 and p.done  # commits 2-5: markers; the timeline at the fifth
+        t = got[4]
+        assert t.steps == 3 and 0.015 < t.period < 1.0 and len(t.intervals) == 1
+        s, e = t.intervals[0]
+        assert 0.005 < s < e < t.period  # after the step's first sleep, inside the step
+        assert got[5] is None  # once
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            q = profiling.StepProfiler(3)
+            assert [q.on_commit() for _ in range(6)] == [None] * 6 and q.done
+    finally:
+        dist.destroy_process_group()
