@@ -254,7 +254,7 @@ class Scheduler:
             link.sent_bytes += nbytes
         return waited
 
-    def _wait_for_window(self, seconds: float, link: LinkState | None = None) -> None:
+    def _wait_for_window(self, seconds: float, link: LinkState) -> None:
         """Returns once nothing of the training is on the wire, nor predicted before a chunk of ``seconds``
         would be through (behind what ``link`` has on the wire already)."""
         give_up = self.clock() + 2.0  # a stale or wrong prediction must not stall replication
@@ -263,7 +263,7 @@ class Scheduler:
             self.timeline.observe(marks)
             inflight, intervals, commits = marks
             now = self.wall()
-            through = max(now, link.wire_until if link is not None else now) + seconds + GUARD
+            through = max(now, link.wire_until) + seconds + GUARD
             until = predicted_busy_until(now, through, intervals, commits)
             if until is None and self.predicted is not None:  # no marks: the profiled timelines
                 until = next((e for s, e in self.predicted() if s < through and e > now), None)
