@@ -132,26 +132,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             razor.add_row(key[0], f"{key[1]}/{key[2]}", "?", "-", "-", "-", wire, "-", "-")
     if razor.row_count:
         console.print(razor)
-    restores = Table(title="restores (what each rank's workers recorded in its slots: the newest)")
-    for col in ("job", "rank", "restores", "to step (v*)", "steps lost", "restore s", "from entry s"):
-        restores.add_column(col, justify="left" if col == "job" else "right")
-    for address, inv, s, key in rows:
-        if s.local and s.HasField("restore"):
-            r = s.restore
-            restores.add_row(key[0], f"{key[1]}/{key[2]}", str(r.restores), str(r.version), str(r.steps_lost),
-                             f"{r.seconds:.3f}", f"{r.entry_seconds:.2f}")
-    if restores.row_count:
-        console.print(restores)
-    profiled = Table(title="profiled timelines (ranks whose collectives nothing marks: the scheduler predicts from these)")
-    for col in ("job", "rank", "steps profiled", "collectives a step", "step s", "on the wire s", "share"):
-        profiled.add_column(col, justify="left" if col == "job" else "right")
-    for address, inv, s, key in rows:
-        if s.local and s.HasField("profiled"):
-            t = s.profiled
-            profiled.add_row(key[0], f"{key[1]}/{key[2]}", str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}",
-                             f"{t.busy_seconds:.3f}", f"{t.busy_seconds / t.period_seconds:.2f}")
-    if profiled.row_count:
-        console.print(profiled)
+    _local_table(console, rows, "restore", "restores (what each rank's workers recorded in its slots: the newest)",
+                 ("restores", "to step (v*)", "steps lost", "restore s", "from entry s"),
+                 lambda r: (str(r.restores), str(r.version), str(r.steps_lost), f"{r.seconds:.3f}",
+                            f"{r.entry_seconds:.2f}"))
+    _local_table(console, rows, "profiled",
+                 "profiled timelines (ranks whose collectives nothing marks: the scheduler predicts from these)",
+                 ("steps profiled", "collectives a step", "step s", "on the wire s", "share"),
+                 lambda t: (str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}", f"{t.busy_seconds:.3f}",
+                            f"{t.busy_seconds / t.period_seconds:.2f}"))
     links = Table(title="replication links (scheduler)")
     for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
                 "collisions", "overlap s"):
@@ -254,6 +243,20 @@ def build_parser() -> argparse.ArgumentParser:
     simulate_bench.add_arguments(p)
     p.set_defaults(run=simulate_bench.main)
     return parser
+
+
+def _local_table(console, rows: list, field: str, title: str, columns: tuple[str, ...], cells) -> None:
+    """Prints a table of the local ranks whose ShardInfo has ``field`` set: job, rank, then ``cells`` of it."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("job", "rank", *columns):
+        table.add_column(col, justify="left" if col == "job" else "right")
+    for _, _, s, key in rows:
+        if s.local and s.HasField(field):
+            table.add_row(key[0], f"{key[1]}/{key[2]}", *cells(getattr(s, field)))
+    if table.row_count:
+        console.print(table)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The scheduler's decisions, on a simulated clock (no timing measured here: that is `ffstate bench overhead`),
 and the communication marks a worker writes into its slot header for it."""
 
+import contextlib
 import time
 
 import pytest
@@ -189,16 +190,26 @@ def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
     assert Naive().links() == {} and Naive().before_chunk("h", 1) == 0.0
 
 
-def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def worker_and_daemon_slots(tmp_path, monkeypatch):
+    """One rank's slots, as its worker and its daemon map them; yields (a state, worker's, daemon's)."""
     import torch
 
     monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
     state = {"w": torch.zeros(10)}
     manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "jm", 0, 1)
+    paths = shm.slot_paths("n0", "j", 0, 1)
     shm.create_slots(paths, manifest, 4096)
     worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
     try:
+        yield state, worker, daemon
+    finally:
+        worker.close()
+        daemon.close()
+
+
+def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
         marks = shm.CommMarks()
         early = marks.start()  # before attach (no slots yet): counted, written at attach
         marks.attach(worker)
@@ -222,21 +233,10 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         assert daemon.comm_marks()[0] == 1
         monkeypatch.setattr(shm, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
         assert daemon.comm_marks()[0] == 0
-    finally:
-        worker.close()
-        daemon.close()
 
 
 def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
-    import torch
-
-    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
-    state = {"w": torch.zeros(10)}
-    manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "jp", 0, 1)
-    shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
-    try:
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
         assert daemon.profiled_timeline() is None
         t = profiling.ProfiledTimeline(3, 0.25, ((0.01, 0.02), (0.1, 0.15)))
         worker.set_profiled_timeline(t)
@@ -249,9 +249,6 @@ def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path
         worker.set_profiled_timeline(profiling.ProfiledTimeline(3, 0.2, ()))  # profiled, no collectives found
         assert daemon.profiled_timeline().intervals == ()
         assert shm.TIMELINE_OFFSET + shm.TIMELINE.size + 16 * shm.TIMELINE_MAX <= shm.PAGE  # inside the header
-    finally:
-        worker.close()
-        daemon.close()
 
 
 def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
