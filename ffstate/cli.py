@@ -142,13 +142,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                  lambda t: (str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}", f"{t.busy_seconds:.3f}",
                             f"{t.busy_seconds / t.period_seconds:.2f}"))
     links = Table(title="replication links (scheduler)")
-    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "deadline overrides",
+    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "catch-ups", "deadline overrides",
                 "collisions", "overlap s"):
         links.add_column(col, justify="left" if col in ("daemon", "scheduler", "holder") else "right")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         for link in inv.links:
             links.add_row(address, link.scheduler, link.holder, f"{link.estimate_bytes_per_second / 1e6:.1f}",
-                          f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.deadline_overrides),
+                          f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.catch_ups),
+                          str(link.deadline_overrides),
                           str(link.collisions), f"{link.overlap_seconds:.2f}")
     if links.row_count:
         console.print(links)

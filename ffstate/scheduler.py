@@ -71,6 +71,7 @@ class LinkState:
     refilled: float = field(default_factory=time.monotonic)
     waited: float = 0.0  # seconds chunks to this holder were held for windows and the rate cap
     overrides: int = 0  # chunks sent past the windows because replication neared its lag bound
+    catch_ups: int = 0  # chunks sent at the whole link's rate (in windows) because a newer version waited
     sent_bytes: int = 0
     collisions: int = 0  # the training's collectives that started while a chunk to this holder was on the wire
     overlap: float = 0.0  # seconds chunks to this holder were on the wire during the training's collectives
@@ -237,6 +238,11 @@ class Scheduler:
         start = self.clock()
         # Behind (a version pushed while a newer one waits): the share does not keep up; the whole link, in windows.
         rate = link.estimate * (self.share if behind < CATCH_UP else 1.0)
+        if CATCH_UP <= behind < self.deadline:
+            link.catch_ups += 1
+            if link.catch_ups == 1 or link.catch_ups % 1000 == 0:
+                log.info("replication to %s is %d versions behind: catching up at the link's whole rate in the "
+                         "training's windows (%d chunks so far)", holder, behind, link.catch_ups)
         if behind >= self.deadline:
             link.overrides += 1
             if link.overrides == 1 or link.overrides % 100 == 0:

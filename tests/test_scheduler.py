@@ -137,6 +137,7 @@ def test_replication_that_falls_behind_takes_the_whole_link_in_windows():
     clock.slept = 0.0
     s.before_chunk("h", 100_000, behind=2)  # a newer version waits behind this one: the whole link
     assert clock.slept == pytest.approx(0.1, abs=0.002)
+    assert (s.links()["h"].catch_ups, s.links()["h"].overrides) == (1, 0)  # counted (metrics, status)
 
 
 def test_a_chunk_queued_behind_others_must_clear_the_predicted_collective_too():

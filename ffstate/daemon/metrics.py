@@ -84,6 +84,9 @@ class DaemonCollector(Collector):
         overrides = CounterMetricFamily("ffstate_scheduler_deadline_overrides",
                                         "Chunks sent past the training's windows to stay within the lag",
                                         labels=["node", "holder"])
+        catch_ups = CounterMetricFamily("ffstate_scheduler_catch_ups",
+                                        "Chunks sent at the link's whole rate, in the training's windows, while a "
+                                        "newer version waited", labels=["node", "holder"])
         collisions = CounterMetricFamily("ffstate_scheduler_collisions",
                                          "The training's collectives that started while a chunk to the holder was on "
                                          "the wire", labels=["node", "holder"])
@@ -94,10 +97,11 @@ class DaemonCollector(Collector):
             estimate.add_metric([node, holder], link.estimate)
             waited.add_metric([node, holder], link.waited)
             overrides.add_metric([node, holder], link.overrides)
+            catch_ups.add_metric([node, holder], link.catch_ups)
             collisions.add_metric([node, holder], link.collisions)
             overlap.add_metric([node, holder], link.overlap)
         share.add_metric([node], getattr(pacer, "share", 1.0))
-        yield from (estimate, share, waited, overrides, collisions, overlap)
+        yield from (estimate, share, waited, overrides, catch_ups, collisions, overlap)
         timeline = getattr(pacer, "timeline", None)
         if timeline is not None:
             seen = CounterMetricFamily("ffstate_scheduler_collectives", "The training's collectives the scheduler saw "

@@ -372,7 +372,7 @@ class Daemon(pb_grpc.ReplicaServicer):
                     source=r["source"]))
             pacer = self.replicator.pacer
             links = [pb.LinkInfo(holder=h, estimate_bytes_per_second=link.estimate, share=getattr(pacer, "share", 1.0),
-                                 waited_seconds=link.waited, deadline_overrides=link.overrides,
+                                 waited_seconds=link.waited, deadline_overrides=link.overrides, catch_ups=link.catch_ups,
                                  scheduler=pacer.name, collisions=link.collisions, overlap_seconds=link.overlap)
                      for h, link in pacer.links().items()]
             timeline = getattr(pacer, "timeline", None)
