@@ -242,6 +242,17 @@ def test_attach_with_another_layout_is_refused(daemons, states):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "manifest" in e.value.details()
 
 
+def test_a_second_daemon_on_a_port_in_use_fails_clearly(daemons):
+    """gRPC servers share a port by default (SO_REUSEPORT): a second daemon there would take half the RPCs."""
+    d = daemons.start()
+    port = d.address.rsplit(":", 1)[1]
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "second", "--port", port,
+                          "--token-file", str(daemons.token_file)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and f"cannot listen on 127.0.0.1:{port}: the address is in use" in out.stderr, out
+    with d.client() as c:
+        assert c.inventory().node_id == d.node_id  # the first one still serves, alone
+
+
 def test_tls_with_token(daemons, tmp_path, states):
     tls, cert, key, _ = make_tls(tmp_path)
     d = daemons.start("--tls-cert", str(cert), "--tls-key", str(key))

@@ -423,8 +423,10 @@ class Daemon(pb_grpc.ReplicaServicer):
 
     def start(self) -> int:
         cfg = self.cfg
+        # No SO_REUSEPORT (gRPC's default): a second daemon on a port in use would share it, the kernel spreading
+        # RPCs over both; it must fail instead.
         opts = [("grpc.max_receive_message_length", cfg.max_chunk_bytes + (1 << 20)),
-                ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE)]
+                ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE), ("grpc.so_reuseport", 0)]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ffstate-rpc"),
                                   interceptors=[_TokenInterceptor(cfg.token)], options=opts)
         self.server.add_generic_rpc_handlers([self._handlers()])
@@ -433,16 +435,19 @@ class Daemon(pb_grpc.ReplicaServicer):
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self.server)
         address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert and cfg.tls_key:
-            creds = grpc.ssl_server_credentials(
-                [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
-                root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
-                require_client_auth=cfg.tls_client_ca is not None)
-            self.port = self.server.add_secure_port(address, creds)
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if cfg.tls_cert and cfg.tls_key:
+                creds = grpc.ssl_server_credentials(
+                    [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
+                    root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
+                    require_client_auth=cfg.tls_client_ca is not None)
+                self.port = self.server.add_secure_port(address, creds)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio raises where it once returned 0
+            self.port = 0
         if not self.port:
-            raise FFStateError(f"cannot listen on {address} (in use?)")
+            raise FFStateError(f"cannot listen on {address}: the address is in use (another daemon?) or not this host's")
         self.server.start()
         if cfg.metrics_port:
             from ffstate.daemon.metrics import serve_metrics
