@@ -139,14 +139,15 @@ def main() -> None:
                 end = ff.stats()
                 start = time.perf_counter()
                 after = ff.stats(wait=60)
-                res["lag_at_end"].append(end["version"] - end["replicated_version"])
+                res["lag_at_end"].append(end.version - end.replicated_version)
                 res["drain_seconds"].append(time.perf_counter() - start)
-            res["wire_bytes"] += after["pushed_bytes"] - before["pushed_bytes"]
-            res["wire_versions"] += after["pushed_versions"] - before["pushed_versions"]
+            res["wire_bytes"] += after.pushed_bytes - before.pushed_bytes
+            res["wire_versions"] += after.pushed_versions - before.pushed_versions
             # The node's daemon's counts: the same for each rank of a node.
             for k in ("collectives", "collisions", "overlap_seconds"):
-                res[k] += after[k] - before[k]
-            res["state_bytes"], res["shard_bytes"] = after.get("state_bytes", 0), after.get("shard_bytes", 0)
+                res[k] += getattr(after, k) - getattr(before, k)
+            razor = after.razor
+            res["state_bytes"], res["shard_bytes"] = (razor.state_bytes, razor.shard_bytes) if razor else (0, 0)
     (a.out / f"overhead-rank{rank}.json").write_text(json.dumps({"rank": rank, "parallel": a.parallel,
                                                                  "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                                                                  "results": results}))

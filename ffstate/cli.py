@@ -6,23 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
+from ffstate.config import parse_bytes
+
 log = logging.getLogger("ffstate.cli")
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_bytes(text: str) -> int:
-    """'8G', '512M', '1.5G' or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.I)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G or a number of bytes)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
 
 def read_token(path: Path | None) -> str:
     """The job token: from --token-file, else $FFSTATE_TOKEN; never empty."""
@@ -53,23 +43,15 @@ def nice_level(text: str) -> int | str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ffstate.daemon.server import ServeConfig, serve
+    from ffstate.config import DaemonConfig
+    from ffstate.daemon.main import serve, set_priority
 
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise SystemExit("ffstate serve: --tls-cert and --tls-key go together")
-    if not 0 < args.slot_poll <= 3600:
-        raise SystemExit(f"ffstate serve: --slot-poll takes seconds in (0, 3600], got {args.slot_poll}")
-    if args.nice == "idle":  # before any thread starts: they inherit it (README: scheduling)
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    elif args.nice:
-        os.nice(args.nice)  # the training comes first where it needs every core
-    cfg = ServeConfig(host=args.host, port=args.port, node_id=args.node_id or ServeConfig().node_id, peers=args.peer,
-                      memory_limit=args.memory_limit, token=read_token(args.token_file), tls_cert=args.tls_cert,
-                      tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, tls_ca=args.tls_ca,
-                      idle_exit=args.idle_exit, keep_deltas=args.keep_deltas, max_chunk_bytes=args.max_chunk_bytes,
-                      exit_when_empty=args.exit_when_empty, pid_file=args.pid_file, scheduler=args.scheduler,
-                      link_share=args.link_share, link_bandwidth=args.link_bandwidth, metrics_port=args.metrics_port,
-                      slot_poll=args.slot_poll)
+    try:
+        cfg = DaemonConfig.from_args(args, node_id=args.node_id or DaemonConfig().node_id,
+                                     token=read_token(args.token_file))
+    except ValueError as e:
+        raise SystemExit(f"ffstate serve: {e}") from None
+    set_priority(cfg.nice)
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
@@ -171,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed on stdout)")
     p.add_argument("--node-id", default="", help="this node's name (default: the host name)")
-    p.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+    p.add_argument("--peer", dest="peers", action="append", default=[], metavar="HOST:PORT",
                    help="a daemon on another node that holds this node's replicas (repeatable)")
     p.add_argument("--memory-limit", type=parse_bytes, default=0,
                    help="memory budget for slots, replicas and staging, e.g. 8G (default: a quarter of RAM)")

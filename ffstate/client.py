@@ -18,17 +18,16 @@ from typing import Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
+from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
 from ffstate.codec import Chunk, Packed
 from ffstate.errors import ReplicaError, ReplicaUnavailable
 from ffstate.layout import Manifest
+from ffstate.reports import RazorReport
+from ffstate.wire import DEFAULT_MAX_MESSAGE, TOKEN_KEY, shard, with_payload
 
 log = logging.getLogger("ffstate.client")
 
-TOKEN_KEY = "ffstate-token"
-# gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (DESIGN.md I6).
-DEFAULT_MAX_MESSAGE = 64 << 20
-_SERVICE = "/ffstate.v1.Replica/"
 T = TypeVar("T")
 
 
@@ -40,22 +39,6 @@ class Tls:
     cert: Path | None = None
     key: Path | None = None
     server_name: str | None = None  # the name in the daemon's certificate, when it is not the address's host
-
-
-def with_payload(prefix: bytes, field: int, payload: memoryview | bytes) -> bytes:
-    """Appends a bytes field to a serialized message: one copy of the payload, no protobuf round trip."""
-    n = len(payload)
-    head = bytearray([(field << 3) | 2])
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        head.append(byte | (0x80 if n else 0))
-        if not n:
-            break
-    return b"".join((prefix, head, payload))
-
-
-def shard(job_id: str, rank: int, world_size: int) -> pb.ShardKey:
-    return pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size)
 
 
 class Client:
@@ -90,19 +73,15 @@ class Client:
             if tls.server_name:
                 options.append(("grpc.ssl_target_name_override", tls.server_name))
             self._channel = grpc.secure_channel(address, creds, options=options)
-        ch = self._channel
-        self._attach = ch.unary_unary(_SERVICE + "Attach", pb.AttachRequest.SerializeToString, pb.AttachResponse.FromString)
-        self._lookup = ch.unary_unary(_SERVICE + "Lookup", pb.ShardKey.SerializeToString, pb.AttachResponse.FromString)
-        self._notify = ch.unary_unary(_SERVICE + "NotifyCommit", pb.CommitNotice.SerializeToString,
-                                      pb.CommitNoticeAck.FromString)
-        self._push = ch.stream_unary(_SERVICE + "Push", lambda b: b, pb.PushResult.FromString)
-        self._commit = ch.unary_unary(_SERVICE + "Commit", pb.CommitRequest.SerializeToString, pb.CommitResult.FromString)
-        self._fetch = ch.unary_stream(_SERVICE + "Fetch", pb.FetchRequest.SerializeToString, pb.FetchChunk.FromString)
-        self._inventory = ch.unary_unary(_SERVICE + "Inventory", pb.InventoryRequest.SerializeToString,
-                                         pb.InventoryResponse.FromString)
-        self._step_back = ch.unary_unary(_SERVICE + "StepBack", pb.StepBackRequest.SerializeToString,
-                                         pb.StepBackResult.FromString)
-        self._drop = ch.unary_unary(_SERVICE + "Drop", pb.DropRequest.SerializeToString, pb.DropResult.FromString)
+        # One callable per method of the wire's table; Push's requests and Fetch's responses are framed by hand.
+        self._rpc = {}
+        for name, m in wire.METHODS.items():
+            make = getattr(self._channel, m.kind)
+            self._rpc[name] = make(wire.path(name), (lambda b: b) if m.raw_request else m.request.SerializeToString,
+                                   m.response.FromString)
+        self._attach, self._lookup, self._notify = self._rpc["Attach"], self._rpc["Lookup"], self._rpc["NotifyCommit"]
+        self._push, self._commit, self._fetch = self._rpc["Push"], self._rpc["Commit"], self._rpc["Fetch"]
+        self._inventory, self._step_back, self._drop = self._rpc["Inventory"], self._rpc["StepBack"], self._rpc["Drop"]
 
     def __enter__(self) -> "Client":
         return self
@@ -143,13 +122,14 @@ class Client:
     # ------------------------------------------------------------ local workers
 
     def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0,
-               holders: Sequence[str] = (), razor: pb.RazorInfo | None = None,
+               holders: Sequence[str] = (), razor: RazorReport | None = None,
                discard_after: int | None = None) -> pb.AttachResponse:
         """Creates (or finds) the rank's slots; ``holders`` are where its replicas go (default: the daemon's peers);
         ``razor`` says what the rank replicates of its state, for the daemon's reports; ``discard_after``:
         the version the worker goes on from, past which the daemon un-commits what its slots hold."""
         req = pb.AttachRequest(shard=shard(job_id, rank, world_size), manifest_json=manifest.to_json(),
-                               scalars_capacity=scalars_capacity, holders=list(holders), razor=razor,
+                               scalars_capacity=scalars_capacity, holders=list(holders),
+                               razor=wire.to_proto(razor) if razor is not None else None,
                                discard_after=discard_after)
         return self._call("attach", lambda: self._attach(req, **self._kw()))
 

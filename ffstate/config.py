@@ -1,14 +1,19 @@
-"""Every knob of ffstate in one frozen dataclass; ``FFSTATE_<FIELD>`` environment variables override it.
+"""Every knob of ffstate, in two frozen dataclasses: ``Config`` (a training job's, ``FFSTATE_<FIELD>``
+environment variables override it) and ``DaemonConfig`` (a node daemon's: ``ffstate serve``'s flags
+map one to one onto its fields, and a daemon a worker starts gets its command line from one).
 
-Defaults work on one machine. Later layers (daemon, trainer, scheduler) add their fields here, and
-the CLI's flags map onto the same names.
+Defaults work on one machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+import re
+import socket
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 KERNEL_CHOICES = ("auto", "triton", "torch")
@@ -150,3 +155,81 @@ def _parse(raw: str, kind: type) -> Any:
             return False
         raise ValueError(raw)
     return kind(raw)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """'8G', '512M', '1.5G' or a plain number of bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _host_name() -> str:
+    return socket.gethostname().split(".")[0] or "node"
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
+    the token comes from ``--token-file`` or ``$FFSTATE_TOKEN``, never from the command line."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (printed and logged)
+    node_id: str = field(default_factory=_host_name)
+    peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
+    memory_limit: int = 0  # bytes; 0: a quarter of the host's RAM
+    token: str = field(default="", metadata={"flag": None}, repr=False)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # require client certificates signed by this CA (mutual TLS)
+    tls_ca: Path | None = None  # the CA to verify peers' certificates when pushing to them
+    idle_exit: float = 0.0  # seconds; 0: never
+    exit_when_empty: bool = False  # exit once a Drop leaves nothing attached or held (auto-started daemons)
+    pid_file: Path | None = None
+    keep_deltas: int = 4  # W: versions a replica can be stepped back
+    max_chunk_bytes: int = 32 << 20
+    scalars_capacity: int = field(default=1 << 20, metadata={"flag": None})
+    scheduler: str = "windows"  # windows: into the training's idle windows; naive: as soon as captured
+    link_share: float = 0.5  # share of each link's estimated bandwidth replication may use
+    link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
+    metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
+    slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
+    nice: int | str = 0  # the process's CPU priority: a niceness 0-19, or "idle" (SCHED_IDLE)
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if not 0 < self.link_share <= 1:
+            raise ValueError(f"link_share must be in (0, 1], got {self.link_share}")
+        if not 0 < self.slot_poll <= 3600:
+            raise ValueError(f"slot_poll (--slot-poll) takes seconds in (0, 3600], got {self.slot_poll}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key (--tls-cert, --tls-key) go together")
+        object.__setattr__(self, "peers", tuple(self.peers))
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> "DaemonConfig":
+        """The fields an argparse namespace names (``ffstate serve``'s), then ``overrides``."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+    def to_args(self) -> list[str]:
+        """The ``ffstate serve`` flags that give this configuration (fields at their defaults left out)."""
+        args: list[str] = []
+        default = DaemonConfig()
+        for f in fields(self):
+            flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+            value = getattr(self, f.name)
+            if flag is None or value == getattr(default, f.name):
+                continue
+            if isinstance(value, bool):
+                args.append(flag)
+            elif isinstance(value, tuple):
+                args += [a for v in value for a in (flag, str(v))]
+            else:
+                args += [flag, str(value)]
+        return args

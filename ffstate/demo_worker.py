@@ -32,6 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
+import ffstate.job
 from ffstate import capture
 from ffstate.models import TinyGPT
 
@@ -58,7 +59,7 @@ def once(marker: Path) -> bool:
 
 def kill_daemon(node: int) -> None:
     """SIGKILLs simulated node ``node``'s daemon (found by the pid file it writes)."""
-    job = ffstate.trainer._job_id(ffstate.Config.from_env())
+    job = ffstate.job.job_id(ffstate.Config.from_env())
     pid_file = Path(tempfile.gettempdir()) / f"ffstate-{job}" / f"daemon-node{node}.pid"
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
 

@@ -34,3 +34,7 @@ class ReplicaUnavailable(ReplicaError):
     """No daemon answered at that address (down, unreachable, or past the deadline) after the retries."""
 
     code = "UNAVAILABLE"
+
+
+class SlotError(FFStateError):
+    """A shared-memory slot is missing, of another layout, or used wrongly (e.g. a non-increasing version)."""

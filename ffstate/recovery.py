@@ -1,25 +1,30 @@
-"""Consistent-version negotiation and restore (DESIGN.md section 5, I3).
+"""Recovery: survey -> v* -> fetch -> load (DESIGN.md section 5, I3).
 
-Every rank lists the versions it could restore (its node's slots, its holders' replicas and what
-they can step back to), publishes them through the job's torch.distributed store, and all ranks
-pick the same v*: the newest version every rank has. A rank then takes v* from its node's slots by
-memory copy when they hold it, else fetches it from its holders (striped over them in parallel).
+Every rank lists the versions it could restore, of every shard it needs (its own and, under the razor,
+its group's parts), from every source: its node's slots, the daemons holding replicas and what they can
+step back to. The ranks publish their lists through the job's store and all pick the same v*: the
+newest version every rank has. A rank then takes v* of each shard from its node's slots by memory copy
+when they hold it, else fetches it from the holders (striped over them, in parallel), puts the razor's
+parts back together, and hands the state to the trainer's ``load``. ``restore`` is the whole flow;
+the steps are public for the tests and benchmarks that drive one of them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from ffstate import codec, shm
+from ffstate import codec, layout, placement, razor, shm
 from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client, stream_striped
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
+from ffstate.job import Job
 from ffstate.layout import Manifest
+
+NEGOTIATE_TIMEOUT = 300.0  # seconds a rank waits for every rank's list of versions
 
 log = logging.getLogger("ffstate.recovery")
 
@@ -47,6 +52,8 @@ class Restored:
     nbytes: int
     seconds: float
     state: Any = None
+    parts: dict[int, str] = field(default_factory=dict)  # under the razor: where each member's part came from
+    entry_seconds: float = 0.0  # from the process's entry into ``replicate`` to the state loaded
 
     @property
     def steps_lost(self) -> int:
@@ -101,9 +108,8 @@ def restorable(available: dict[int, Available]) -> set[int]:
     return set.intersection(*sets) if sets else set()
 
 
-def negotiate(store: Any, prefix: str, rank: int, world: int, mine: set[int], timeout: float = 300.0,
-              missing: list[str] | None = None, seen: int = 0) -> tuple[int, int, list[set[int]]]:
-    """(v*, newest version any rank has, every rank's versions), the same on every rank.
+def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: int = 0) -> tuple[int, int]:
+    """(v*, newest version any rank has), the same on every rank.
 
     ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs
     (so that a job whose copies are partly lost is never taken for a new one); ``missing`` says, for
@@ -113,16 +119,15 @@ def negotiate(store: Any, prefix: str, rank: int, world: int, mine: set[int], ti
         FFStateError: some ranks have versions and others none in common: restoring any version would
             mix steps (never done), and restarting from scratch would silently lose the job's progress.
     """
-    versions = mine
-    store.set(f"{prefix}/versions/{rank}", json.dumps({"versions": sorted(versions), "missing": missing or [],
-                                                       "seen": max([seen, *versions])}))
-    store.wait([f"{prefix}/versions/{r}" for r in range(world)], _timedelta(timeout))
-    told = [json.loads(store.get(f"{prefix}/versions/{r}")) for r in range(world)]
+    if job.store is None:
+        return (max(mine), max(mine)) if mine else (0, 0)
+    told = job.exchange("versions", {"versions": sorted(mine), "missing": missing or [], "seen": max([seen, *mine])},
+                        range(job.world), NEGOTIATE_TIMEOUT)
     everyone = [set(t["versions"]) for t in told]
     last = max(t["seen"] for t in told)
     common = set.intersection(*everyone) if everyone else set()
     if common:
-        return max(common), last, everyone
+        return max(common), last
     lost = sorted({line for t in told for line in t["missing"]})
     if last:  # some copy of the job exists: refuse, never start over silently
         missing_ranks = [r for r, v in enumerate(everyone) if not v]
@@ -132,7 +137,7 @@ def negotiate(store: Any, prefix: str, rank: int, world: int, mine: set[int], ti
             f"common with the others (versions per rank: {[sorted(v)[-3:] for v in everyone]}). The nodes holding "
             "those copies were lost together; refusing to restore a mix of steps or to restart from step 0 "
             "silently. Raise Config.replicas, or start the job under a new job id to begin from scratch.")
-    return 0, 0, everyone
+    return 0, 0
 
 
 def fetch(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
@@ -159,8 +164,7 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
         try:  # straight from the slot into new tensors, summed as copied, checked against the daemon's record
-            got = slots.read(version, lambda view: codec.unpack_verified(manifest.with_scalars(view.scalars), view.data),
-                             summed=True)
+            got = slots.read(version, lambda view: codec.unpack_verified(manifest.with_scalars(view.scalars), view.data))
         except shm.SlotError as e:
             log.error("rank %d: this node's slot of version %d failed its check (%s); trying the holders", rank,
                       version, e)
@@ -185,7 +189,101 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     return state, ",".join(sources), int(decoder.header["nbytes"])
 
 
-def _timedelta(seconds: float):
-    import datetime
+# ---------------------------------------------------------------- the whole flow
 
-    return datetime.timedelta(seconds=seconds)
+
+def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...], load: Callable[[Any], None],
+            entry: float) -> Restored | None:
+    """Restores this rank at v*, or returns None when the job has no copies (a fresh start).
+
+    ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group``
+    the ranks of its razor group (empty without the razor), ``load(state)`` puts a state into the
+    training objects, ``entry`` is ``time.perf_counter()`` at the process's entry into ``replicate``.
+
+    Raises:
+        FFStateError: no version every rank can restore although copies exist (see ``negotiate``), or the
+            copies were made with another world size or razor setting.
+    """
+    me, topo = job.rank, job.topology
+    needed = sorted({me, *group})
+    lookups = {r: daemon.lookup(job.job, r, job.world) if r in topo.node_ranks else None for r in needed}
+    # This node's daemon counts too: it holds other nodes' ranks' replicas (their parts, under the razor).
+    daemons = {a: job.client(a) for a in [daemon.address, *holders, *_other_daemons(job, needed, holders)]}
+    available = survey_ranks(job.job, needed, job.world, lookups, daemons, daemon)
+    missing = _missing(job, available, razor_on=bool(group))
+    if any(a.versions for a in available.values()):
+        log.info("rank %d: copies found (newest versions per shard and source): %s", me,
+                 {r: {"slots": sorted(a.local)[-3:], **{s: sorted(v)[-3:] for s, v in a.remote.items()}}
+                  for r, a in available.items()})
+    seen = max((max(a.versions) for a in available.values() if a.versions), default=0)
+    v, last = negotiate(job, restorable(available), missing=missing, seen=seen)
+    if v == 0:
+        log.info("rank %d: no replicas of job %s: starting at step 0", me, job.job)
+        return None
+    with layout.gc_paused():
+        return _load(job, v, last, needed, available, lookups, daemons, load, entry)
+
+
+def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, Available],
+          lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client], load: Callable[[Any], None],
+          entry: float) -> Restored:
+    """Fetches version ``v`` of this rank's shard (and its razor group's parts), assembles it and loads it."""
+    me = job.rank
+    start = time.perf_counter()
+    shards = fetch_ranks(job.job, job.world, v, available, lookups, daemons)  # in parallel
+    mine = shards[me]
+    plan = razor.plan_of(mine[0])
+    parts: dict[int, str] = {}
+    if plan is None:
+        state, nbytes = mine[0], mine[2]
+    else:
+        if not set(plan.group) <= set(needed):
+            raise FFStateError(f"rank {me}: version {v} was split over ranks {list(plan.group)}, this run expects "
+                               f"{needed}: was Config.razor changed across the restart? Restart with the same "
+                               "setting, or under a new job id")
+        others = {r: got for r, got in shards.items() if r != me}
+        state = razor.assemble(mine[0], {r: got[0] for r, got in shards.items()})
+        parts = {r: got[1] for r, got in sorted(others.items())}
+        nbytes = mine[2] + sum(got[2] for got in others.values())
+    got = Restored(v, last, mine[1], nbytes, time.perf_counter() - start, parts=parts)
+    load(state)
+    del state
+    got.entry_seconds = time.perf_counter() - entry
+    log.info("rank %d: restored step %d (v*) of job %s from %s%s: %d steps lost, %.1f MB in %.3fs "
+             "(%.1f MB/s); %.2fs from entry", me, v, job.job, got.source,
+             f", the parts of ranks {sorted(parts)} from {sorted(set(parts.values()))}" if parts else "",
+             got.steps_lost, got.nbytes / 1e6, got.seconds, got.nbytes / 1e6 / max(got.seconds, 1e-9),
+             got.entry_seconds)
+    job.record({"event": "restored", "version": v, "last_version": last, "steps_lost": got.steps_lost,
+                "source": got.source, "parts_from": parts, "bytes": got.nbytes, "restore_seconds": got.seconds,
+                "entry_seconds": got.entry_seconds})
+    return got
+
+
+def _other_daemons(job: Job, ranks: list[int], holders: list[str]) -> list[str]:
+    """The daemons of the nodes that keep ``ranks``' copies (their own nodes and their holders), this
+    node's excepted: where a rank finds its group's parts."""
+    topo, cfg, nodes = job.topology, job.cfg, set()
+    for r in ranks:
+        node = placement.topology(r, job.world, cfg).node
+        nodes.update([node, *placement.holder_nodes(node, topo.num_nodes, cfg.replicas)])
+    nodes.discard(topo.node)
+    if job.store is None or not nodes:
+        return []
+    return sorted(set(job.daemon_addresses(sorted(nodes))) - set(holders))
+
+
+def _missing(job: Job, available: dict[int, Available], razor_on: bool) -> list[str]:
+    """The shards this rank needs that have no live copy at all, and the nodes that kept them."""
+    lost = []
+    for r, a in sorted(available.items()):
+        if a.versions:
+            continue
+        node = placement.topology(r, job.world, job.cfg).node
+        holders = placement.holder_nodes(node, job.topology.num_nodes, job.cfg.replicas)
+        replicas = f" and {', '.join(f'node{n}' for n in holders)} (replicas)" if holders else ""
+        lost.append(f"no live copy of rank {r}'s shard (it was kept on node{node} (slots){replicas})")
+    if lost and razor_on:
+        lost.append("with the razor on, every rank of a data-parallel group needs every member's part of the "
+                    "redundant state, so the group's surviving ranks cannot restore either")
+    return lost

@@ -100,7 +100,7 @@ def daemons(tmp_path):
     factory = DaemonFactory(tmp_path)
     yield factory
     factory.close()
-    leaked = [p for d in factory.daemons for p in shm.SHM_DIR.glob(f"ffstate-{d.node_id}-*")]
+    leaked = [p for d in factory.daemons for p in shm.slots.SHM_DIR.glob(f"ffstate-{d.node_id}-*")]
     for p in leaked:
         p.unlink()
     assert not leaked, f"shared memory left behind: {leaked}"

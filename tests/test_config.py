@@ -1,4 +1,4 @@
-"""ffstate/config.py: defaults, FFSTATE_* overrides, validation."""
+"""ffstate/config.py: defaults, FFSTATE_* overrides, validation, and the daemon's configuration as flags."""
 
 import pytest
 
@@ -19,3 +19,24 @@ def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
         Config.from_env()
     with pytest.raises(ValueError, match="kernels"):
         Config(kernels="cuda")
+
+
+def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
+    """A worker starts its node's daemon from one DaemonConfig: its flags, parsed by `ffstate serve`'s own
+    parser, must give the same configuration back, field for field (the token travels in the environment)."""
+    from ffstate.cli import build_parser
+    from ffstate.config import DaemonConfig
+    from ffstate.daemon.launch import daemon_config
+
+    cfg = Config(replicas=1, max_lag=6, daemon_memory_limit="1.5G", daemon_idle_exit=42.0, scheduler="naive",
+                 link_share=0.25, link_bandwidth="25M", metrics_port=9100, base_port=7800)
+    want = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)
+    args = build_parser().parse_args(["serve", *want.to_args()])
+    got = DaemonConfig.from_args(args, token=want.token)
+    assert got == want
+    assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
+        7801, "node1", 6, 3 << 29, 25 << 20, 9101)
+    assert "--token" not in " ".join(want.to_args())
+    with pytest.raises(ValueError, match="go together"):
+        DaemonConfig(tls_cert=tmp_path / "cert.pem")
+

@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from daemons import TOKEN, held_version, make_tls, wait_until
 from ffstate import codec, layout, recovery, shm
 from ffstate.client import Client, Tls, fetch_striped
+from ffstate.commit import SlotWriter
 from ffstate.errors import ReplicaError, ReplicaUnavailable
 from helpers import assert_bitwise_equal
 
@@ -149,7 +150,7 @@ def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
 def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
     a = daemons.start()
     run_writer(a, "j5", 2, tmp_path)
-    slots = list(shm.SHM_DIR.glob(f"ffstate-{a.node_id}-*"))
+    slots = list(shm.slots.SHM_DIR.glob(f"ffstate-{a.node_id}-*"))
     assert len(slots) == 2
     assert a.terminate() == 0
     assert not any(p.exists() for p in slots)
@@ -168,7 +169,7 @@ def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     slots, states = attached_slots(a, "j10", 2)
     try:
         for v in range(1, 41):  # 8 s of commits, past the idle timeout, and no call to the daemon
-            slots.commit(states[v % 2], v)
+            SlotWriter(slots).commit(states[v % 2], v)
             time.sleep(0.2)
             assert a.proc.poll() is None, f"the daemon exited while commits went on (version {v}):\n{a.log()}"
         assert all(p.exists() for p in slots.paths)
@@ -187,12 +188,12 @@ def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):
     a = daemons.start("--slot-poll", "3600")
     slots, states = attached_slots(a, "j11", 3)
     try:
-        address, ring = slots._bell
+        address, ring = slots._bell.address, slots._bell.ring_bytes
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
             for junk in (b"", b"x", ring + b"x", (12345).to_bytes(8, "little"), os.urandom(64)):
                 s.sendto(junk, address)
         for v, state in enumerate(states, 1):
-            slots.commit(state, v)
+            SlotWriter(slots).commit(state, v)
             k = next(k for version, k in slots.committed() if version == v)
             wait_until(lambda: slots.taken(k) == v and slots.view(k).checksum is not None, timeout=60,
                        what=f"the daemon to take version {v}")
@@ -214,9 +215,10 @@ def test_a_commit_whose_daemon_is_gone_or_has_no_doorbell_does_not_fail(tmp_path
     shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY, bell=bell)
     slots = shm.Slots(paths, manifest)
     try:
-        assert slots._bell == (("\0" + bell[0], bell[1].to_bytes(8, "little")) if bell else None)
-        slots.commit(state, 1)
-        slots.commit(state, 2)
+        assert ((slots._bell.address, slots._bell.ring_bytes) if slots._bell else None) == (
+            ("\0" + bell[0], bell[1].to_bytes(8, "little")) if bell else None)
+        SlotWriter(slots).commit(state, 1)
+        SlotWriter(slots).commit(state, 2)
         assert [v for v, _ in slots.committed()] == [2, 1]
     finally:
         slots.close()
@@ -231,7 +233,7 @@ def run_writer_tls(a, tls, tmp_path):
     with Client(a.address, TOKEN, tls=tls) as c:
         slots = shm.Slots(list(c.attach("j8", 0, 2, manifest).slot_paths), manifest)
         for v, s in enumerate(states, 1):
-            slots.commit(s, v)
+            SlotWriter(slots).commit(s, v)
             c.notify_commit("j8", 0, 2, v)
         slots.close()
     return None, states
@@ -303,18 +305,18 @@ def test_daemon_checksums_each_commit_and_a_corrupted_slot_is_refused(daemons):
     with a.client() as c:
         try:
             for v, s in enumerate(states, 1):
-                slots.commit(s, v)
+                SlotWriter(slots).commit(s, v)
                 c.notify_commit("j9", 0, 1, v)
             wait_until(lambda: all(slots.view(k).checksum is not None for k in range(2)), what="both slots checked")
             for k in range(2):
                 view = slots.view(k)
                 assert view.checksum == codec.pack(states[view.version - 1]).checksum
-            got = slots.read(2, lambda view: view.data.clone())
+            got = slots.read(2, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
             assert got is not None and torch.equal(got[1], codec.pack(states[1]).buffer)
             k = slots.view(0).index if slots.view(0).version == 2 else 1
             slots.data[k][12345] ^= 0x40  # one bit of version 2 flips in memory after the commit
             with pytest.raises(shm.SlotError, match="corrupted"):
-                slots.read(2, lambda view: view.data.clone())
+                slots.read(2, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
         finally:
             slots.close()
 

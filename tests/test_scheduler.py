@@ -2,11 +2,13 @@
 and the communication marks a worker writes into its slot header for it."""
 
 import contextlib
+import ctypes
 import time
 
 import pytest
 
 from ffstate import layout, profiling, shm
+from ffstate.commit import SlotWriter
 from ffstate.scheduler import Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until, project
 
 
@@ -196,7 +198,7 @@ def worker_and_daemon_slots(tmp_path, monkeypatch):
     """One rank's slots, as its worker and its daemon map them; yields (a state, worker's, daemon's)."""
     import torch
 
-    monkeypatch.setattr(shm, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
     state = {"w": torch.zeros(10)}
     manifest = layout.describe(state)
     paths = shm.slot_paths("n0", "j", 0, 1)
@@ -219,8 +221,8 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         assert daemon.comm_marks()[0] == 2  # both on the wire now
         marks.end(early)
         marks.end(t)
-        worker.commit(state, 1)
-        worker.commit(state, 2)
+        SlotWriter(worker).commit(state, 1)
+        SlotWriter(worker).commit(state, 2)
         inflight, intervals, commits = daemon.comm_marks()
         assert inflight == 0 and len(intervals) == 2 and all(a <= b <= time.time() for a, b in intervals)
         assert len(commits) == 2 and commits[0] <= commits[1]
@@ -232,7 +234,7 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         assert len(daemon.comm_marks()[1]) == shm.COMM_RING
         marks.start()  # a worker dies in the middle of an all-reduce: its count stays in the header...
         assert daemon.comm_marks()[0] == 1
-        monkeypatch.setattr(shm, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
+        monkeypatch.setattr(shm.slots, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
         assert daemon.comm_marks()[0] == 0
 
 
@@ -242,14 +244,15 @@ def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path
         t = profiling.ProfiledTimeline(3, 0.25, ((0.01, 0.02), (0.1, 0.15)))
         worker.set_profiled_timeline(t)
         assert daemon.profiled_timeline() == t
-        worker.commit(state, 1)  # commits leave it
+        SlotWriter(worker).commit(state, 1)  # commits leave it
         assert daemon.profiled_timeline() == t
         full = profiling.ProfiledTimeline(3, 1.0, tuple((i / 100, i / 100 + 0.005) for i in range(shm.TIMELINE_MAX)))
         worker.set_profiled_timeline(full)
         assert daemon.profiled_timeline() == full
         worker.set_profiled_timeline(profiling.ProfiledTimeline(3, 0.2, ()))  # profiled, no collectives found
         assert daemon.profiled_timeline().intervals == ()
-        assert shm.TIMELINE_OFFSET + shm.TIMELINE.size + 16 * shm.TIMELINE_MAX <= shm.PAGE  # inside the header
+        assert ctypes.sizeof(shm.Header) <= shm.PAGE and shm.Header.timeline.offset + 16 * shm.TIMELINE_MAX \
+            <= ctypes.sizeof(shm.Header)  # inside the header
 
 
 def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):

@@ -26,8 +26,8 @@ from typing import Any, Callable, Protocol
 from ffstate import codec
 from ffstate.client import Client
 from ffstate.codec import Packed, Snapshot
-from ffstate.daemon.store import ShardKey
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
+from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
 from ffstate.scheduler import Naive
 from ffstate.shm import Slots
@@ -89,7 +89,7 @@ class LocalShard:
     pushed_bytes: int = 0  # on the wire, to all holders
     pushed_versions: int = 0  # counted once per holder
     pushed_raw_bytes: int = 0  # the snapshots those versions restore (for the compression ratio)
-    razor: Any = None  # the worker's RazorInfo (protobuf, passed through for the reports)
+    razor: Any = None  # the worker's reports.RazorReport, for the reports
     bell: int = 0  # the rank's id at the daemon's doorbell (0: none)
 
     @property

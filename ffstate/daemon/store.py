@@ -24,31 +24,11 @@ import numpy as np
 from ffstate import codec, planes
 from ffstate.codec import Chunk, Packed, Snapshot
 from ffstate.errors import CodecError, ReplicaError
-from ffstate.shm import check_id
+from ffstate.ids import ShardKey
 
 log = logging.getLogger("ffstate.daemon.store")
 
 MAX_CHUNKS = 1 << 20
-
-
-@dataclass(frozen=True, order=True)
-class ShardKey:
-    """One rank's state in one job; validated on construction."""
-
-    job_id: str
-    rank: int
-    world_size: int
-
-    def __post_init__(self) -> None:
-        try:
-            check_id(self.job_id, "job id")
-        except Exception as e:
-            raise ReplicaError(str(e), "INVALID_ARGUMENT") from None
-        if not 0 < self.world_size <= 1 << 20 or not 0 <= self.rank < self.world_size:
-            raise ReplicaError(f"rank {self.rank} of world size {self.world_size} is not a shard", "INVALID_ARGUMENT")
-
-    def __str__(self) -> str:
-        return f"{self.job_id}/rank {self.rank} of {self.world_size}"
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """torchrun, 2 ranks: FSDP2 (fully_shard) trained twice from the same seed, once with its collectives marked for
-the scheduler (``capture.mark_fsdp_collectives``) and once without; writes OUT/rank<R>.json with the marks
+the scheduler (``marks.mark_fsdp_collectives``) and once without; writes OUT/rank<R>.json with the marks
 counted per step and whether every parameter and optimizer tensor came out bit-identical; and whether the
 commit's capture (``state_dict(keep_vars=True)``, detached) gives the tensors ``state_dict()`` gives.
 
@@ -17,6 +17,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from ffstate import capture, shm  # noqa: E402
+from ffstate.marks import mark_fsdp_collectives  # noqa: E402
 from ffstate.models import TinyGPT  # noqa: E402
 from helpers import bits  # noqa: E402
 
@@ -29,7 +30,7 @@ def train(marks: shm.CommMarks | None) -> tuple[dict, list[int], int]:
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    marked = capture.mark_fsdp_collectives(model, marks) if marks is not None else 0
+    marked = mark_fsdp_collectives(model, marks) if marks is not None else 0
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     counts = []
     for step in range(STEPS):

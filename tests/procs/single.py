@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ffstate  # noqa: E402
+import ffstate.reports  # noqa: E402
 from ffstate.models import TinyGPT  # noqa: E402
 
 
@@ -45,8 +46,8 @@ def main() -> None:
             if step + 1 == a.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
         stats = ff.stats()  # the daemon's view of this rank, restores included
-        print(f"restores {stats.get('restores', 0)} to {stats.get('restore_version', 0)} "
-              f"lost {stats.get('restore_steps_lost', 0)} in {stats.get('restore_seconds', 0.0):.6f}s", flush=True)
+        r = stats.restore or ffstate.reports.RestoreReport()
+        print(f"restores {r.restores} to {r.version} lost {r.steps_lost} in {r.seconds:.6f}s", flush=True)
     torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
                 "extra": extra, "rng": torch.get_rng_state()}, a.out / "final.pt")
 

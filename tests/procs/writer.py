@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ffstate import codec, layout, shm  # noqa: E402
 from ffstate.client import Client  # noqa: E402
+from ffstate.commit import SlotWriter  # noqa: E402
 from helpers import train_states  # noqa: E402
 
 
@@ -45,6 +46,7 @@ def main() -> None:
     client = Client(a.address, os.environ["FFSTATE_TOKEN"])
     resp = client.attach(a.job, a.rank, a.world, manifest)
     slots = shm.Slots(list(resp.slot_paths), manifest)
+    writer = SlotWriter(slots)
     print(f"attached {resp.committed_version}", flush=True)
     for version in range(a.start + 1, a.steps + 1):
         if version == a.die_mid_write:
@@ -56,7 +58,7 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             codec.pack_into = torn
-        slots.commit(states[version - 1], version, wait=5.0 if a.wait_taken else 0.0)
+        writer.commit(states[version - 1], version, wait=5.0 if a.wait_taken else 0.0)
         client.notify_commit(a.job, a.rank, a.world, version)
         print(f"committed {version}", flush=True)
         deadline = time.monotonic() + 60

@@ -1,0 +1,89 @@
+"""Finding the node's daemon from a worker, or starting it: the node's first rank starts ``ffstate serve``
+when nothing answers at the node's address (DESIGN.md section 7), with a command line built from one
+``DaemonConfig``; the daemon outlives the worker and torchrun's restarts of it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ffstate import placement
+from ffstate.client import Client
+from ffstate.config import Config, DaemonConfig, parse_bytes
+from ffstate.errors import ReplicaError, ReplicaUnavailable
+from ffstate.job import Job
+
+log = logging.getLogger("ffstate.launch")
+
+
+def node_daemon(job: Job, publish: bool = True) -> Client:
+    """This node's daemon: found, or started by the node's first rank, and its address published.
+
+    Raises:
+        ReplicaUnavailable: nothing answers within ``connect_timeout``.
+        ReplicaError: a daemon of another job (token) answers.
+    """
+    topo, cfg = job.topology, job.cfg
+    address = placement.daemon_address(topo.node, cfg)
+    client = job.client(address)
+    if topo.first_on_node and not answers(client) and cfg.start_daemon:
+        start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
+        log.info("rank %d: started the daemon of %s at %s (log %s)", job.rank, topo.node_id, address,
+                 job.run_dir / f"daemon-{topo.node_id}.log")
+    deadline = time.monotonic() + cfg.connect_timeout
+    while True:
+        try:
+            client.inventory(job.job)
+            break
+        except ReplicaUnavailable:
+            if time.monotonic() > deadline:
+                raise ReplicaUnavailable(f"rank {job.rank}: no ffstate daemon answers at {address} for node "
+                                         f"{topo.node_id}; run `ffstate serve --port {address.rsplit(':', 1)[1]}` "
+                                         "on it, or leave Config.start_daemon on") from None
+            time.sleep(0.2)
+        except ReplicaError as e:
+            if e.code == "UNAUTHENTICATED":
+                raise ReplicaError(f"the daemon at {address} belongs to another job or token ({e}); set "
+                                   "FFSTATE_TOKEN to the job's token or FFSTATE_BASE_PORT to free ports",
+                                   e.code) from None
+            raise
+    if publish:
+        job.publish_daemon(topo.node, address)
+    return client
+
+
+def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: Path) -> DaemonConfig:
+    """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``."""
+    host, port = address.rsplit(":", 1)
+    return DaemonConfig(
+        host=host, port=int(port), node_id=node_id, exit_when_empty=True, idle_exit=cfg.daemon_idle_exit,
+        pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag,
+        memory_limit=parse_bytes(cfg.daemon_memory_limit) if cfg.daemon_memory_limit else 0,
+        scheduler=cfg.scheduler, link_share=cfg.link_share,
+        link_bandwidth=parse_bytes(cfg.link_bandwidth) if cfg.link_bandwidth else 0,
+        metrics_port=cfg.metrics_port + node if cfg.metrics_port else 0)
+
+
+def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> None:
+    """Starts ``ffstate serve`` with ``dcfg``'s flags, in a session of its own (it outlives this worker and
+    torchrun's restarts of it), logging to the run folder; the token goes in its environment."""
+    args = [sys.executable, "-m", "ffstate.cli", "serve", *dcfg.to_args()]
+    with open(run_dir / f"daemon-{dcfg.node_id}.log", "a") as out:
+        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                         env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True)
+
+
+def answers(client: Client) -> bool:
+    """Whether anything answers at the client's address (one try, no retries)."""
+    try:
+        with Client(client.address, client.token, timeout=2.0, retries=0) as once:
+            once.inventory()
+        return True
+    except ReplicaUnavailable:
+        return False
+    except ReplicaError:
+        return True  # someone answers (maybe with another token): reported by the caller

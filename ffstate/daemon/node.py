@@ -1,0 +1,327 @@
+"""The node's replica runtime, free of protobuf and gRPC: its local ranks' slots and their replication,
+the replicas it holds for other nodes (the store), and the report of all of it (DESIGN.md sections 1, 4).
+
+``Node`` is what the servicer (``servicer.py``) calls and the metrics (``metrics.py``) read through
+``report()``. Every refusal is a ``ReplicaError`` (or ``CodecError`` / ``SlotError``) whose message
+says what was wrong; the servicer maps it to a gRPC status in one place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from ffstate import codec, shm
+from ffstate.client import Client, Tls
+from ffstate.codec import Packed, Snapshot
+from ffstate.config import DaemonConfig
+from ffstate.daemon.replicator import LocalShard, Pacer, Replicator
+from ffstate.daemon.store import IncomingChunk, Store
+from ffstate.errors import FFStateError, ReplicaError
+from ffstate.ids import ShardKey, check_id
+from ffstate.layout import Manifest
+from ffstate.reports import LinkReport, NodeReport, ProfiledReport, RazorReport, RestoreReport, ShardReport
+from ffstate.scheduler import Naive, Scheduler, merge_intervals, project
+
+log = logging.getLogger("ffstate.daemon")
+
+MAX_MANIFEST_BYTES = 64 << 20
+_GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while we looked
+
+
+def default_memory_limit() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+
+
+@dataclass
+class SlotsInfo:
+    """What a worker needs to use its rank's slots (AttachResponse)."""
+
+    slot_paths: list[str]
+    node_id: str
+    slot_bytes: int
+    committed_version: int
+    committed_versions: list[int]
+    manifest_json: bytes
+
+
+class Node:
+    """The replica daemon's state: the store, the local ranks' slots and their replicator."""
+
+    def __init__(self, cfg: DaemonConfig, pacer: Pacer | None = None):
+        self.cfg = cfg
+        check_id(cfg.node_id, "node id")
+        self.store = Store(cfg.memory_limit or default_memory_limit(), cfg.keep_deltas, cfg.max_chunk_bytes)
+        # Pushing to TLS peers: verify them with --tls-ca, and present this daemon's own certificate
+        # (peers that run mutual TLS ask for one).
+        tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
+        self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), list(cfg.peers),
+                                     pacer or self._pacer(), poll_interval=cfg.slot_poll, keep=cfg.keep_deltas)
+        self.local: dict[ShardKey, LocalShard] = {}
+        self._lock = threading.Lock()
+        self.last_activity = time.monotonic()
+        self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
+        try:  # rung by the workers after each commit
+            self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
+        except OSError as e:  # no abstract Unix sockets here: the replicator's look at the slots still finds commits
+            log.warning("no doorbell for the workers (%s): commits are taken within --slot-poll %.3fs", e,
+                        cfg.slot_poll)
+            self.doorbell = None
+
+    # ------------------------------------------------------------ pacing
+
+    def _pacer(self) -> Pacer:
+        cfg = self.cfg
+        if cfg.scheduler == "naive":  # paces nothing; counts the collisions all the same
+            return Naive(self._comm_marks, cfg.link_bandwidth)
+        if cfg.scheduler != "windows":
+            raise FFStateError(f"scheduler must be windows or naive, got {cfg.scheduler!r}")
+        # Past keep_deltas - 1 versions behind, a sender must not wait for windows: the worker's lag bound is near.
+        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 1),
+                         predicted=self._predicted)
+
+    def _shards(self) -> list[LocalShard]:
+        with self._lock:
+            return list(self.local.values())
+
+    def _comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
+        """The training's collectives as this node's workers mark them (for the scheduler)."""
+        inflight, intervals, commits = 0, [], []
+        for shard in self._shards():
+            try:
+                n, iv, c = shard.slots.comm_marks()
+            except _GONE:
+                continue
+            inflight += n
+            intervals += iv
+            if len(c) > len(commits) or (c and commits and c[-1] > commits[-1]):
+                commits = c
+        return inflight, intervals, commits
+
+    def _predicted(self) -> list[tuple[float, float]]:
+        """The collectives of the workers that profiled their steps (no marks), placed after their newest commits."""
+        out: list[tuple[float, float]] = []
+        for shard in self._shards():
+            try:
+                timeline = shard.slots.profiled_timeline()
+                if timeline is not None:
+                    out += project(timeline.intervals, timeline.period, shard.slots.comm_marks()[2])
+            except _GONE:
+                continue
+        return merge_intervals(out)
+
+    # ------------------------------------------------------------ activity
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    def idle_seconds(self) -> float:
+        """Seconds since the last request or the last commit into an attached rank's slots (a worker with no
+        replicas commits without ever calling the daemon: it is not idle while its job trains)."""
+        since = time.monotonic() - self.last_activity
+        for shard in list(self.local.values()):
+            try:
+                since = min(since, time.time() - shard.slots.committed_at())
+            except _GONE:
+                continue
+        return since
+
+    # ------------------------------------------------------------ local workers
+
+    def attach(self, key: ShardKey, manifest_json: bytes, scalars_capacity: int, holders: list[str] | None,
+               razor: RazorReport | None, discard_after: int | None) -> SlotsInfo:
+        """Creates the rank's slots (or finds them, and resets its replication: a worker re-attached)."""
+        if len(manifest_json) > MAX_MANIFEST_BYTES:
+            raise ReplicaError(f"manifest of {len(manifest_json)} bytes exceeds {MAX_MANIFEST_BYTES}",
+                               "INVALID_ARGUMENT")
+        manifest = Manifest.from_json(manifest_json)
+        cap = scalars_capacity or self.cfg.scalars_capacity
+        with self._lock:
+            shard = self.local.get(key)
+            if shard is not None:
+                if shard.manifest.layout_id != manifest.layout_id:
+                    raise ReplicaError(
+                        f"{key} is attached with layout {shard.manifest.layout_id}; this worker's state has layout "
+                        f"{manifest.layout_id} (a different model?). Drop the job first or use another job id",
+                        "FAILED_PRECONDITION")
+                self.replicator.reset(shard, holders, discard_after=discard_after)
+                log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
+                         [h.address for h in shard.holders])
+            else:
+                shard = self._create_local(key, manifest, cap, holders)
+            shard.razor = razor
+        return self._describe(shard)
+
+    def lookup(self, key: ShardKey) -> SlotsInfo:
+        shard = self.local.get(key)
+        if shard is None:
+            raise ReplicaError(f"{key} is not attached to node {self.cfg.node_id}", "NOT_FOUND")
+        return self._describe(shard)
+
+    def notify_commit(self, key: ShardKey) -> None:
+        shard = self.local.get(key)
+        if shard is None:
+            raise ReplicaError(f"{key} is not attached here", "NOT_FOUND")
+        shard.wake.set()
+
+    def _describe(self, shard: LocalShard) -> SlotsInfo:
+        done = shard.slots.committed()
+        return SlotsInfo([str(p) for p in shard.paths], self.cfg.node_id,
+                         shm.slot_size(shard.manifest, shard.slots.scalars_capacity), done[0][0] if done else 0,
+                         [v for v, _ in done], shard.manifest.to_json())
+
+    def _create_local(self, key: ShardKey, manifest: Manifest, cap: int, holders: list[str] | None) -> LocalShard:
+        size = 2 * shm.slot_size(manifest, cap) + manifest.nbytes  # two slots and the base copy
+        self.store.reserve(size, f"the slots of {key}")
+        paths = shm.slot_paths(self.cfg.node_id, key.job_id, key.rank, key.world_size)
+        wake = threading.Event()
+        bell = self.doorbell.add(wake) if self.doorbell is not None else None
+        try:
+            shm.remove_slots(paths)  # left over by an earlier daemon of this node that was killed
+            shm.create_slots(paths, manifest, cap, bell)
+            slots = shm.Slots(paths, manifest)
+        except BaseException:
+            self._forget_bell(bell and bell[1])
+            shm.remove_slots(paths)
+            self.store.release(size)
+            raise
+        shard = LocalShard(key, manifest, slots, self.replicator.holders(holders), size, wake=wake,
+                           bell=bell[1] if bell else 0)
+        self.local[key] = shard
+        self.replicator.start(shard)
+        log.info("attached %s: %d-byte state, slots %s, replicating to %s", key, manifest.nbytes,
+                 [str(p) for p in paths], [h.address for h in shard.holders] or "nobody")
+        return shard
+
+    # ------------------------------------------------------------ replicas
+
+    def stage(self, chunks: Iterable[IncomingChunk], source: str) -> tuple[ShardKey, int, int]:
+        """Stages a pushed version (``Store.stage``): (key, version, bytes received)."""
+        key, version, nbytes = self.store.stage(chunks, source)
+        log.debug("staged %s version %d from %s (%d bytes)", key, version, source, nbytes)
+        return key, version, nbytes
+
+    def commit(self, key: ShardKey, version: int) -> tuple[int, int]:
+        return self.store.commit(key, version)
+
+    def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
+        return self.store.step_back(key, version)
+
+    def fetch(self, key: ShardKey, version: int) -> tuple[int, Packed, int]:
+        """(version, full encoding, bytes to ``release`` once it is streamed) of a local rank or a replica."""
+        shard = self.local.get(key)
+        if shard is None:
+            return (*self.store.fetch(key, version), 0)  # the store keeps (and counts) what it serves
+        nbytes = shard.manifest.nbytes
+        self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
+        try:
+            got = copy_verified(shard.slots, version)
+            if got is None and version:  # older than the slots: step the daemon's copy back (DESIGN.md I3)
+                with shard.lock:
+                    snap = shard.stepped_back(version)
+                got = (version, snap) if snap is not None else None
+            if got is None:
+                raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
+                                   f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
+                                   f"({shard.versions_back()})", "NOT_FOUND")
+            return got[0], codec.encode_snapshot(got[1]), 2 * nbytes
+        except BaseException:
+            self.store.release(2 * nbytes)
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.store.release(nbytes)
+
+    def drop(self, job_id: str, rank: int | None) -> int:
+        """Drops a job's shard (``rank``) or every shard of it, replicas and local slots; returns how many."""
+        job = check_id(job_id, "job id")
+        n = self.store.drop(job, rank)
+        with self._lock:
+            gone = [k for k in self.local if k.job_id == job and (rank is None or k.rank == rank)]
+            shards = [self.local.pop(k) for k in gone]
+        for s in shards:
+            self._close_local(s)
+        if self.cfg.exit_when_empty and not self.local and not self.store.inventory():
+            log.info("nothing attached or held after the drop (--exit-when-empty): exiting")
+            self.done.set()
+        return n + len(shards)
+
+    def _forget_bell(self, bell: int | None) -> None:
+        if self.doorbell is not None and bell:
+            self.doorbell.remove(bell)
+
+    def _close_local(self, shard: LocalShard) -> None:
+        self._forget_bell(shard.bell)
+        self.replicator.stop(shard)
+        shard.slots.close()
+        shm.remove_slots(shard.paths)
+        self.store.release(shard.reserved)
+        log.info("removed the slots of %s", shard.key)
+
+    # ------------------------------------------------------------ report
+
+    def report(self, job_id: str = "") -> NodeReport:
+        """Everything this daemon holds (of one job, or all), its links and its memory: one walk of its state,
+        read by ``Inventory``, the metrics and ``ffstate status``."""
+        shards = []
+        with self._lock:
+            local = sorted(self.local.items())
+        for key, s in local:
+            if job_id and key.job_id != job_id:
+                continue
+            shards.append(_local_report(key, s))
+        for r in self.store.inventory(job_id):
+            shards.append(ShardReport(r["key"], False, r["version"], list(r["versions"]), r["bytes"], r["updated"],
+                                      r["source"]))
+        pacer = self.replicator.pacer
+        share = getattr(pacer, "share", 1.0)
+        links = [LinkReport(h, link.estimate, share, link.waited, link.overrides, link.catch_ups, pacer.name,
+                            link.collisions, link.overlap) for h, link in pacer.links().items()]
+        timeline = getattr(pacer, "timeline", None)
+        seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
+                                            "overlap_seconds": timeline.overlap}
+        return NodeReport(self.cfg.node_id, shards, self.store.used, self.store.budget, links, pacer.name, **seen,
+                          link_share=share)
+
+    def close(self) -> None:
+        with self._lock:
+            shards = list(self.local.values())
+            self.local.clear()
+        for s in shards:
+            self._close_local(s)
+        if self.doorbell is not None:
+            self.doorbell.close()
+        self.replicator.shutdown()
+
+
+def _local_report(key: ShardKey, s: LocalShard) -> ShardReport:
+    done = s.slots.committed()
+    razor = None
+    if s.razor is not None:  # what the worker said at attach, with the counters it keeps in its slots
+        v, m = s.slots.razor_counters()
+        razor = dataclasses.replace(s.razor, verifications=v, mismatches=m)
+    back = s.versions_back()  # no lock: advisory, and a round may hold it for a while
+    restores, version, lost, seconds, entry = s.slots.restore_record()
+    restore = RestoreReport(restores, version, lost, seconds, entry) if restores else None
+    timeline = s.slots.profiled_timeline()
+    profiled = ProfiledReport(timeline.steps, len(timeline.intervals), timeline.period,
+                              timeline.busy_seconds) if timeline else None
+    return ShardReport(key, True, done[0][0] if done else 0, sorted({v for v, _ in done} | set(back), reverse=True),
+                       s.reserved, s.last_push, str(s.paths[0].parent), s.replicated_version, razor, s.pushed_bytes,
+                       s.pushed_versions, restore, profiled, queue_versions=max(0, s.base_version - s.replicated_version),
+                       pushed_raw_bytes=s.pushed_raw_bytes)
+
+
+def copy_verified(slots: shm.Slots, version: int = 0) -> tuple[int, Snapshot] | None:
+    """(version, a verified private copy) of the newest committed slot, or of ``version`` if given."""
+    got = slots.read(version, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
+    if got is None:
+        return None
+    view, buf = got
+    return view.version, Snapshot(slots.manifest.with_scalars(view.scalars), buf, view.checksum)

@@ -1,0 +1,183 @@
+"""The daemon's gRPC edge: the servicer translates between protobuf and the node (``node.py``), one map
+turns every error into its gRPC status, and an interceptor checks the job token on every call (health
+checks excepted). ``start_server`` binds it, plain or TLS (DESIGN.md I6)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Any, Callable, Iterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ffstate import wire
+from ffstate._proto import replica_pb2 as pb
+from ffstate.config import DaemonConfig
+from ffstate.daemon.node import Node
+from ffstate.daemon.store import IncomingChunk
+from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
+from ffstate.ids import ShardKey
+from ffstate.reports import RazorReport
+
+log = logging.getLogger("ffstate.daemon")
+
+
+def status_of(e: Exception) -> grpc.StatusCode:
+    """The one error -> status map: a ``ReplicaError`` answers with its own code; a malformed state, chunk
+    or slot request (``CodecError``, ``SlotError``) is the caller's: INVALID_ARGUMENT."""
+    code = e.code if isinstance(e, ReplicaError) else "INVALID_ARGUMENT"
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+
+
+_REFUSED = (ReplicaError, CodecError, SlotError)
+
+
+def _key(msg: pb.ShardKey) -> ShardKey:
+    return ShardKey(msg.job_id, msg.rank, msg.world_size)
+
+
+class TokenInterceptor(grpc.ServerInterceptor):
+    """UNAUTHENTICATED, before any handler runs, for a call without the job's token."""
+
+    def __init__(self, token: str):
+        self._token = token
+
+        def deny(request: Any, context: grpc.ServicerContext) -> None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"missing or wrong ffstate token (metadata '{wire.TOKEN_KEY}')")
+
+        self._deny = {kind: getattr(grpc, f"{kind}_rpc_method_handler")(deny)
+                      for kind in ("unary_unary", "stream_unary", "unary_stream")}
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith("/grpc.health.v1."):
+            return continuation(details)
+        meta = dict(details.invocation_metadata or ())
+        if meta.get(wire.TOKEN_KEY) == self._token:
+            return continuation(details)
+        log.warning("refused %s: missing or wrong token", details.method)
+        method = wire.METHODS.get(details.method.rsplit("/", 1)[-1])
+        return self._deny[method.kind if method else "unary_unary"]
+
+
+class Servicer:
+    """``ffstate.v1.Replica`` over a ``Node``: each method unpacks its request, calls the node, packs the answer."""
+
+    def __init__(self, node: Node):
+        self.node = node
+
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+        self.node.touch()
+        try:
+            return fn()
+        except _REFUSED as e:
+            context.abort(status_of(e), str(e))
+
+    # ------------------------------------------------------------ local workers
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        razor = wire.from_proto(request.razor, RazorReport) if request.HasField("razor") else None
+        discard = request.discard_after if request.HasField("discard_after") else None
+        return self._guard(context, lambda: pb.AttachResponse(**vars(self.node.attach(
+            _key(request.shard), request.manifest_json, request.scalars_capacity, list(request.holders) or None,
+            razor, discard))))
+
+    def Lookup(self, request: pb.ShardKey, context: grpc.ServicerContext) -> pb.AttachResponse:
+        return self._guard(context, lambda: pb.AttachResponse(**vars(self.node.lookup(_key(request)))))
+
+    def NotifyCommit(self, request: pb.CommitNotice, context: grpc.ServicerContext) -> pb.CommitNoticeAck:
+        return self._guard(context, lambda: self.node.notify_commit(_key(request.shard)) or pb.CommitNoticeAck())
+
+    # ------------------------------------------------------------ replicas
+
+    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResult:
+        def chunks() -> Iterator[IncomingChunk]:
+            for m in request_iterator:
+                self.node.touch()
+                yield IncomingChunk(_key(m.shard), m.version, m.base_version, m.chunk_index, m.chunk_count,
+                                    m.checksum, m.payload)
+
+        def run() -> pb.PushResult:
+            _, version, nbytes = self.node.stage(chunks(), context.peer())
+            return pb.PushResult(staged_version=version, bytes_received=nbytes)
+
+        return self._guard(context, run)
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResult:
+        def run() -> pb.CommitResult:
+            version, checksum = self.node.commit(_key(request.shard), request.version)
+            return pb.CommitResult(version=version, checksum=checksum)
+
+        return self._guard(context, run)
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        version, packed, reserved = self._guard(context, lambda: self.node.fetch(_key(request.shard), request.version))
+        try:
+            for c in packed.chunks[request.first_chunk :: request.chunk_step or 1]:
+                head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
+                                     checksum=c.checksum).SerializeToString()
+                yield wire.with_payload(head, 5, c.payload)
+                self.node.touch()
+        finally:
+            self.node.release(reserved)
+
+    def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
+        return self._guard(context, lambda: wire.to_proto(self.node.report(request.job_id)))
+
+    def StepBack(self, request: pb.StepBackRequest, context: grpc.ServicerContext) -> pb.StepBackResult:
+        def run() -> pb.StepBackResult:
+            version, checksum = self.node.step_back(_key(request.shard), request.version)
+            return pb.StepBackResult(version=version, checksum=checksum)
+
+        return self._guard(context, run)
+
+    def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResult:
+        rank = None if request.shard.rank < 0 else request.shard.rank
+        return self._guard(context, lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank)))
+
+    # ------------------------------------------------------------ wiring
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """One handler per method of the wire's table; Fetch's responses are framed by hand (one copy)."""
+        handlers = {}
+        for name, m in wire.METHODS.items():
+            make = getattr(grpc, f"{m.kind}_rpc_method_handler")
+            handlers[name] = make(getattr(self, name), m.request.FromString,
+                                  (lambda b: b) if m.raw_response else m.response.SerializeToString)
+        return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
+
+
+def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
+    """Serves ``node`` at ``cfg.host:cfg.port`` (TLS with ``tls_cert``/``tls_key``); returns the server and its port.
+
+    Raises:
+        FFStateError: the address cannot be bound (in use, or not this host's).
+    """
+    # No SO_REUSEPORT (gRPC's default): a second daemon on a port in use would share it, the kernel spreading
+    # RPCs over both; it must fail instead.
+    opts = [("grpc.max_receive_message_length", cfg.max_chunk_bytes + (1 << 20)),
+            ("grpc.max_send_message_length", wire.DEFAULT_MAX_MESSAGE), ("grpc.so_reuseport", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ffstate-rpc"),
+                         interceptors=[TokenInterceptor(cfg.token)], options=opts)
+    server.add_generic_rpc_handlers([Servicer(node).handlers()])
+    health_servicer = health.HealthServicer()
+    health_servicer.set(wire.SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{cfg.host}:{cfg.port}"
+    try:
+        if cfg.tls_cert and cfg.tls_key:
+            creds = grpc.ssl_server_credentials(
+                [(cfg.tls_key.read_bytes(), cfg.tls_cert.read_bytes())],
+                root_certificates=cfg.tls_client_ca.read_bytes() if cfg.tls_client_ca else None,
+                require_client_auth=cfg.tls_client_ca is not None)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio raises where it once returned 0
+        port = 0
+    if not port:
+        raise FFStateError(f"cannot listen on {address}: the address is in use (another daemon?) or not this host's")
+    server.start()
+    return server, port

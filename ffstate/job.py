@@ -1,0 +1,175 @@
+"""The job's coordination through its torch.distributed store: who this rank is, the attempt every rank
+agrees on, the keys it writes under, a barrier, the published replicated versions (whose minimum over
+ranks is the job's global committed version, DESIGN.md section 4, step 5), the node daemons' addresses,
+and the job's event log. One place, so that the trainer, recovery and the razor never build a key."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import re
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ffstate import placement
+from ffstate.client import Client
+from ffstate.config import Config
+from ffstate.errors import FFStateError
+
+log = logging.getLogger("ffstate.job")
+
+
+def timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class Job:
+    """One rank's view of the job: ``rank``, ``world``, ``job`` (its id), ``token``, ``topology``, ``attempt``,
+    ``store`` (None in a single process, where every collective step is trivial) and ``run_dir``."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        if dist.is_available() and dist.is_initialized():
+            self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            self.store = dist.distributed_c10d._get_default_store()
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise FFStateError("WORLD_SIZE > 1 but no process group: call torch.distributed.init_process_group() "
+                               "before ffstate.replicate(...)")
+        else:
+            self.rank, self.world, self.store = 0, 1, None
+        warn_about_torchrun_restarts()
+        self.job = job_id(cfg)
+        self.token = cfg.token or default_token()
+        self.topology = placement.topology(self.rank, self.world, cfg)
+        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.prefix = f"ffstate/{self.job}/{self._generation()}"
+        self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
+        self.run_dir.mkdir(exist_ok=True)
+        self.global_committed = 0  # min over ranks of the version all their holders have, as last seen
+        self._clients: dict[str, Client] = {}
+
+    def _generation(self) -> str:
+        """A name for this attempt that every rank agrees on: rank 0's random number, broadcast.
+
+        Not torchrun's restart count: in a multi-node job each node's agent counts its own restarts
+        (a node that did not fail restarts its workers without counting), so ranks on different nodes
+        would read and write different keys, or an earlier attempt's.
+        """
+        if self.store is None:
+            return "0"
+        nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            nonce = nonce.cuda()
+        dist.broadcast(nonce, 0)
+        return f"{int(nonce.item()):x}"
+
+    def key(self, *parts: Any) -> str:
+        """A store key of this attempt, e.g. ``key("razor", step, rank)``."""
+        return "/".join([self.prefix, *map(str, parts)])
+
+    # ------------------------------------------------------------ exchanges
+
+    def exchange(self, name: str, value: Any, ranks: list[int] | range, timeout: float) -> list[Any]:
+        """Publishes this rank's JSON ``value`` under ``name`` and returns every one of ``ranks``' values."""
+        if self.store is None:
+            return [value]
+        self.store.set(self.key(name, self.rank), json.dumps(value))
+        keys = [self.key(name, r) for r in ranks]
+        self.store.wait(keys, timedelta(timeout))
+        return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def barrier(self, name: str) -> None:
+        """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``."""
+        if self.store is not None:
+            key = self.key("barrier", name)
+            self.store.add(key, 1)
+            deadline = time.monotonic() + self.cfg.exit_timeout
+            while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
+                time.sleep(0.02)
+
+    def publish_replicated(self, version: int) -> None:
+        """Publishes the newest version every holder of this rank has; updates ``global_committed``, the
+        minimum over the ranks that published."""
+        if self.store is None:
+            self.global_committed = version
+            return
+        self.store.set(self.key("replicated", self.rank), str(version))
+        keys = [self.key("replicated", r) for r in range(self.world)]
+        if self.store.check(keys):
+            self.global_committed = min(int(v) for v in self.store.multi_get(keys))
+
+    # ------------------------------------------------------------ daemons
+
+    def client(self, address: str) -> Client:
+        """One client per daemon address, closed by ``close``."""
+        if address not in self._clients:
+            self._clients[address] = Client(address, self.token, timeout=30.0)
+        return self._clients[address]
+
+    def publish_daemon(self, node: int, address: str) -> None:
+        if self.store is not None:
+            self.store.set(self.key("daemon", node), address)
+
+    def daemon_addresses(self, nodes: list[int]) -> list[str]:
+        """Where the daemons of ``nodes`` listen, as their first ranks published it (waits for them)."""
+        if self.store is None:
+            return [placement.daemon_address(n, self.cfg) for n in nodes]
+        keys = [self.key("daemon", n) for n in nodes]
+        if keys:
+            self.store.wait(keys, timedelta(self.cfg.connect_timeout * 2))
+        return [self.store.get(k).decode() for k in keys]
+
+    # ------------------------------------------------------------ events
+
+    def record(self, event: dict) -> None:
+        """Appends an event (restore, ...) to the job's run folder, for the demo and for operators."""
+        with open(self.run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({**event, "rank": self.rank, "attempt": self.attempt}) + "\n")
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+
+
+def job_id(cfg: Config) -> str:
+    """The job's id: ``Config.job_id``, else torchrun's run id, made safe for file and key names."""
+    raw = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or "ffstate-job"
+    if raw == "none":
+        raw = "ffstate-job"
+    return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:128]
+
+
+def default_token() -> str:
+    """$FFSTATE_TOKEN, else a per-user secret (created once, mode 0600): enough on one machine."""
+    token = os.environ.get("FFSTATE_TOKEN")
+    if token:
+        return token
+    path = Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "ffstate" / "token"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16))
+    except FileExistsError:
+        pass
+    for _ in range(50):  # another rank may be writing it right now
+        token = path.read_text().strip()
+        if token:
+            return token
+        time.sleep(0.02)
+    raise FFStateError(f"{path} is empty: remove it, or set FFSTATE_TOKEN")
+
+
+def warn_about_torchrun_restarts() -> None:
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        log.warning("torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: after a restart, gloo's "
+                    "init_process_group hangs or fails ('Gloo connectFullMesh failed', pytorch/pytorch#135712). "
+                    "Launch as: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")

@@ -1,0 +1,120 @@
+"""How far replication lags behind this rank's commits, and what the lag policy does about it (DESIGN.md I4).
+
+The daemon writes the newest version every holder of the rank has into the slot header; a commit reads it
+there (one load). Only past ``max_lag`` versions behind does the rank ask its daemon, which is also how a
+dead daemon is found (the header stops moving): then ``block`` holds the commit until replication is
+within ``max_lag`` (bounded by ``connect_timeout``), and ``skip`` goes on and says so. Every
+``PUBLISH_EVERY`` seconds at a commit, when it lags, and on exit, the rank publishes its replicated version
+through the job's store (``Job.publish_replicated``: the job's global committed version)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from ffstate.client import Client
+from ffstate.errors import ReplicaUnavailable
+from ffstate.job import Job
+from ffstate.shm import Slots
+
+log = logging.getLogger("ffstate.lag")
+
+# Seconds between a rank's publications of its replicated version through the job's store (three store
+# calls; at every lag check they cost a commit 2-13 ms on a 2-core node). Also published on lag and exit.
+PUBLISH_EVERY = 5.0
+
+
+class LagWatch:
+    """This rank's replicated version, as last seen. ``daemon()`` is the node's daemon (it may be replaced);
+    ``on_lost(error)`` brings a lost daemon back and re-attaches."""
+
+    def __init__(self, job: Job, daemon: Callable[[], Client], on_lost: Callable[[Exception], None]):
+        self.job, self._daemon, self._on_lost = job, daemon, on_lost
+        self.replicated = 0
+        self._published = 0.0  # time.monotonic() of the last publication
+
+    def after_commit(self, step: int, slots: Slots, timed_out: bool) -> None:
+        """The lag check of a commit of ``step`` into ``slots`` (``timed_out``: it overwrote an unread version)."""
+        if timed_out:
+            try:
+                self.replicated = self.from_daemon(attached=True)
+            except ReplicaUnavailable as e:
+                self._on_lost(e)
+                return
+        else:
+            # What the daemon wrote in the slot header; asked of the daemon itself only when lagging. 0 says
+            # nothing yet (replication was reset at attach, or a holder is being re-seeded): keep what we knew
+            # (v* after a restore), so that a full version's push overlaps the next commits instead of holding
+            # the first; if the header stays at 0, the lag passes max_lag and the daemon is asked.
+            header = slots.replicated()
+            if 0 < header <= step:
+                self.replicated = header
+        if step - self.replicated > self.job.cfg.max_lag:
+            self._lag(step)  # also how a dead daemon is found: its header stops moving
+        elif time.monotonic() - self._published > PUBLISH_EVERY:
+            self.publish(self.replicated)
+
+    def _lag(self, step: int) -> None:
+        cfg, rank = self.job.cfg, self.job.rank
+        try:
+            self.replicated = self.from_daemon(attached=True)
+        except ReplicaUnavailable as e:
+            self._on_lost(e)
+            return
+        behind = step - self.replicated
+        if behind <= cfg.max_lag:
+            return
+        if cfg.lag_policy == "skip":
+            log.warning("rank %d: replication is %d versions behind (max_lag %d); policy skip: the daemon jumps to "
+                        "the newest version", rank, behind, cfg.max_lag)
+            return
+        start = time.perf_counter()
+        self.wait(step, timeout=cfg.connect_timeout, within=cfg.max_lag, attached=True)
+        held = time.perf_counter() - start
+        if step - self.replicated > cfg.max_lag:
+            log.error("rank %d: replication is stalled %d versions behind (a holder down?); policy block gave up "
+                      "after %.0fs and training goes on", rank, step - self.replicated, held)
+        else:
+            log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions "
+                        "(policy block)", rank, step, held, cfg.max_lag)
+
+    def wait(self, last: int, timeout: float | None, within: int = 0, attached: bool = True) -> None:
+        """Waits until replication is within ``within`` versions of ``last`` (at most ``timeout`` seconds; None:
+        for ever, bringing a lost daemon back meanwhile)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                self.replicated = self.from_daemon(attached)
+            except ReplicaUnavailable as e:
+                if deadline is not None:  # leaving: nothing more to wait for
+                    log.warning("rank %d: the node's daemon is gone (%s); not waiting for the replicas", self.job.rank,
+                                e)
+                    return
+                self._on_lost(e)
+                continue
+            if last - self.replicated <= within:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+
+    def from_daemon(self, attached: bool) -> int:
+        """The replicated version as the node's daemon reports it (and published).
+
+        Raises:
+            ReplicaUnavailable: the daemon is gone, or (``attached``) another daemon answers that does not know
+                this rank: a node-mate restarted it, and our slots went with the old one.
+        """
+        job, daemon = self.job, self._daemon()
+        resp = daemon.inventory(job.job)
+        mine = [s for s in resp.shards if s.local and s.shard.rank == job.rank and s.shard.world_size == job.world]
+        if not mine and attached:
+            raise ReplicaUnavailable(f"the daemon at {daemon.address} does not know rank {job.rank}: it was restarted")
+        version = mine[0].replicated_version if mine else 0
+        self.publish(version)
+        return version
+
+    def publish(self, version: int) -> None:
+        self._published = time.monotonic()
+        self.job.publish_replicated(version)

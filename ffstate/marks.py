@@ -1,0 +1,86 @@
+"""The pacing marks of a training's collectives (DESIGN.md section 4, step 3): DDP's gradient all-reduce as a
+communication hook, and FSDP2's all-gathers and reduce-scatters wrapped, each marking in the slot header
+(``shm.CommMarks``) when it is on the wire. The arithmetic and the calls are the frameworks' own, so a run
+with the marks is bit for bit the run without them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and this module's are strings
+    """DDP's default gradient all-reduce, as a communication hook that marks when it is on the wire.
+
+    ``state`` is (``shm.CommMarks``, the DDP process group). The arithmetic is the built-in
+    reducer's: gradients times 1/world size, then a SUM all-reduce, so a run with the hook is bit
+    for bit the run without it.
+    """
+    import torch.distributed as dist
+
+    marks, group = state
+    group = group or dist.group.WORLD
+    started = marks.start()
+    buf = bucket.buffer()
+    buf.mul_(1.0 / group.size())
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+
+    def done(f):
+        marks.end(started)
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+def _marked(marks, started: int, work):
+    """Marks the collective ``work`` off the wire when it completes (or now, if it ran synchronously)."""
+    if work is None:
+        marks.end(started)
+        return work
+    try:
+        work.get_future().then(lambda _: marks.end(started))
+    except RuntimeError:  # a backend whose work has no future: marked as issued only
+        marks.end(started)
+    return work
+
+
+def mark_fsdp_collectives(model: torch.nn.Module, marks) -> int:
+    """Marks FSDP2's all-gathers and reduce-scatters on the wire for the scheduler; returns how many
+    FSDP modules were marked (0: none, or the installed torch lacks the seam).
+
+    Uses ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` with FSDP's own
+    default collectives wrapped: the same calls with the same arguments, so the bits do not change
+    (the FSDP2 recovery test compares against a run without ffstate). A module whose collectives a
+    user replaced is left alone.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        return 0
+
+    class MarkedAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            started = marks.start()
+            return _marked(marks, started, super().__call__(output_tensor, input_tensor, group, async_op))
+
+    class MarkedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            started = marks.start()
+            return _marked(marks, started, super().__call__(output_tensor, input_tensor, group, op, async_op))
+
+    marked = 0
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        try:
+            groups = module._get_fsdp_state()._fsdp_param_groups
+            mine = len(groups) == 1 and type(groups[0]._all_gather_comm) is DefaultAllGather \
+                and type(groups[0]._reduce_scatter_comm) is DefaultReduceScatter
+        except AttributeError:  # FSDP's internals moved in another torch: no marks rather than no training
+            return marked
+        if not mine:
+            continue  # no parameters of its own, several meshes, or the user's own collectives
+        module.set_custom_all_gather(MarkedAllGather())
+        module.set_custom_reduce_scatter(MarkedReduceScatter())
+        marked += 1
+    return marked

@@ -1,0 +1,93 @@
+"""The header page of a shared-memory slot, declared once as a structure (DESIGN.md section 4).
+
+Every field a worker or its daemon reads or writes through the slot is a named field of ``Header``
+(a ``ctypes`` structure laid over the slot's first page), with the side that writes it. Fields are
+8-byte aligned, so each load and store of a u64 field is one machine access; on x86-64 stores land
+in program order (TSO), which the seqlock relies on: the header's ``seq`` is written last when a
+version is published and read first and last by a reader.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+MAGIC = b"FFSLOT01"
+PAGE = 4096
+COMM_RING = 48  # (start, end) pairs of the newest collectives a worker marked
+BELL_NAME_MAX = 256  # bytes of the doorbell's name (a Unix socket's abstract address has room for 107)
+TIMELINE_MAX = 64  # intervals of a profiled timeline the header holds
+
+_u64, _i64, _f64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_double
+
+
+class Interval(ctypes.LittleEndianStructure):
+    _fields_ = [("start", _u64), ("end", _u64)]  # ns, wall clock
+
+
+class Span(ctypes.LittleEndianStructure):
+    _fields_ = [("start", _f64), ("end", _f64)]  # seconds from a step's commit
+
+
+class Header(ctypes.LittleEndianStructure):
+    """Slot k's first page. "worker" / "daemon": the only side that writes the field; "slot 0": read and
+    written in the first slot's header only (per rank, not per version)."""
+
+    _fields_ = [
+        # Written when the daemon creates the slots.
+        ("magic", ctypes.c_char * 8),
+        # The seqlock (worker): odd while the slot is written, even once version and scalars are in place.
+        ("seq", _u64),
+        ("version", _u64),  # worker: the step this slot holds
+        ("_unused", _u64),
+        ("scalars_len", _u64),  # worker: bytes of the scalars' JSON after the header page
+        ("data_bytes", _u64),  # daemon: the packed state's size (the manifest's nbytes)
+        ("scalars_capacity", _u64),  # daemon: room for the scalars' JSON
+        ("commit_ns", _u64),  # worker: wall-clock time of the commit
+        ("layout_id", ctypes.c_char * 32),  # daemon: the manifest's layout id
+        ("_pad0", ctypes.c_char * 32),
+        # Daemon: the version it has finished reading from this slot (a block-policy worker waits for it).
+        ("taken", _u64),
+        # Daemon: the checksum of the slot's data (written first) and the seq of the write it belongs to
+        # (written last): a rewrite of the slot, even of the same version after a step back, never pairs with an
+        # older write's checksum.
+        ("checked_seq", _u64),
+        ("checksum", _u64),
+        ("_pad1", _u64),
+        # Worker (every slot): the razor's verification counters, for the daemon's reports.
+        ("razor_verifications", _u64),
+        ("razor_mismatches", _u64),
+        # Worker, slot 0: collectives on the wire now, the ring's write count, and the ring (see marks.py).
+        ("comm_inflight", _i64),
+        ("comm_count", _u64),
+        ("comm_ring", Interval * COMM_RING),
+        # Daemon, slot 0: the newest version every holder of this rank has (the worker's lag check).
+        ("replicated", _u64),
+        ("_pad2", ctypes.c_char * 56),
+        # Daemon, slot 0 (at creation): its doorbell, as this rank's id there, the name's length, the name.
+        ("bell_id", _u64),
+        ("bell_len", ctypes.c_uint16),
+        ("bell_name", ctypes.c_char * BELL_NAME_MAX),
+        ("_pad3", ctypes.c_char * 6),
+        # Worker, slot 0 (at attach after a restore): restores so far, then the newest one's v*, steps lost,
+        # seconds to fetch and load, seconds from the process's entry.
+        ("restores", _u64),
+        ("restore_version", _u64),
+        ("restore_steps_lost", _u64),
+        ("restore_seconds", _f64),
+        ("restore_entry_seconds", _f64),
+        # Worker, slot 0 (once): the profiled timeline (profiling.py). ``timeline_steps`` is written last and
+        # cleared first: 0 reads as none.
+        ("timeline_steps", _u64),
+        ("timeline_count", _u64),
+        ("timeline_period", _f64),
+        ("timeline", Span * TIMELINE_MAX),
+    ]
+
+
+assert ctypes.sizeof(Header) <= PAGE, "the header must fit its page"
+assert Header.seq.offset == 8 and Header.taken.offset == 128 and Header.comm_inflight.offset == 176
+
+
+def header_of(buffer) -> Header:
+    """The header laid over a writable buffer (a slot's mmap). Drop it before closing the mapping."""
+    return Header.from_buffer(buffer)

@@ -1,0 +1,113 @@
+"""The wire constants the client and the daemon's servicer share: the service's method table, the token's
+metadata key, the message bound, and the one-copy framing of chunk payloads (DESIGN.md I6; the
+messages themselves are ``proto/ffstate/v1/replica.proto``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, NamedTuple
+
+from google.protobuf.message import Message
+
+from ffstate._proto import replica_pb2 as pb
+
+SERVICE = "ffstate.v1.Replica"
+TOKEN_KEY = "ffstate-token"  # metadata of every call
+# gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (DESIGN.md I6).
+DEFAULT_MAX_MESSAGE = 64 << 20
+
+
+class Method(NamedTuple):
+    kind: str  # unary_unary, stream_unary (client streams), unary_stream (server streams)
+    request: type
+    response: type
+    # Push's requests and Fetch's responses are framed by hand (``with_payload``): bytes on that side.
+    raw_request: bool = False
+    raw_response: bool = False
+
+
+METHODS: dict[str, Method] = {
+    "Attach": Method("unary_unary", pb.AttachRequest, pb.AttachResponse),
+    "Lookup": Method("unary_unary", pb.ShardKey, pb.AttachResponse),
+    "NotifyCommit": Method("unary_unary", pb.CommitNotice, pb.CommitNoticeAck),
+    "Push": Method("stream_unary", pb.PushChunk, pb.PushResult, raw_request=True),
+    "Commit": Method("unary_unary", pb.CommitRequest, pb.CommitResult),
+    "Fetch": Method("unary_stream", pb.FetchRequest, pb.FetchChunk, raw_response=True),
+    "Inventory": Method("unary_unary", pb.InventoryRequest, pb.InventoryResponse),
+    "StepBack": Method("unary_unary", pb.StepBackRequest, pb.StepBackResult),
+    "Drop": Method("unary_unary", pb.DropRequest, pb.DropResult),
+}
+
+
+def path(method: str) -> str:
+    """The method's gRPC path, e.g. ``/ffstate.v1.Replica/Push``."""
+    return f"/{SERVICE}/{method}"
+
+
+def with_payload(prefix: bytes, field: int, payload: memoryview | bytes) -> bytes:
+    """Appends a bytes field to a serialized message: one copy of the payload, no protobuf round trip."""
+    n = len(payload)
+    head = bytearray([(field << 3) | 2])
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        head.append(byte | (0x80 if n else 0))
+        if not n:
+            break
+    return b"".join((prefix, head, payload))
+
+
+def shard(job_id: str, rank: int, world_size: int) -> pb.ShardKey:
+    return pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size)
+
+
+def to_proto(record: Any, message: type | None = None) -> Any:
+    """A ``reports`` record (or ``ShardKey``) as its protobuf message: fields by name, nested records
+    as sub-messages, None left unset."""
+    message = message or _MESSAGES[type(record).__name__]
+    values = {}
+    for f in dataclasses.fields(record):
+        v = getattr(record, f.name)
+        if v is None or not f.metadata.get("wire", True):
+            continue
+        sub = message.DESCRIPTOR.fields_by_name[f.name].message_type
+        if sub is not None:
+            kind = getattr(pb, sub.name)
+            v = [to_proto(x, kind) for x in v] if isinstance(v, list) else to_proto(v, kind)
+        values[f.name] = v
+    return message(**values)
+
+
+def from_proto(msg: Any, record: type) -> Any:
+    """The ``reports`` record of a protobuf message (unset sub-messages: None)."""
+    hints = typing.get_type_hints(record)
+    values = {}
+    for f in dataclasses.fields(record):
+        if not f.metadata.get("wire", True):
+            continue
+        v = getattr(msg, f.name)
+        kind = _record_type(hints[f.name])
+        if kind is not None:
+            if isinstance(v, Message):
+                v = from_proto(v, kind) if msg.HasField(f.name) else None
+            else:
+                v = [from_proto(x, kind) for x in v]
+        elif not isinstance(v, (str, bytes, int, float, bool)):
+            v = list(v)
+        values[f.name] = v
+    return record(**values)
+
+
+def _record_type(hint: Any) -> type | None:
+    """The dataclass a field's type names (through ``X | None`` and ``list[X]``), if any."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        if (kind := _record_type(arg)) is not None:
+            return kind
+    return None
+
+
+_MESSAGES = {"ShardKey": pb.ShardKey, "RazorReport": pb.RazorInfo, "RestoreReport": pb.RestoreInfo,
+             "ProfiledReport": pb.ProfiledInfo, "ShardReport": pb.ShardInfo, "LinkReport": pb.LinkInfo,
+             "NodeReport": pb.InventoryResponse}
