@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ffstate
 from ffstate.bench._report import phase_order
 from ffstate.bench.codec import SIZES
-from ffstate.demo_worker import allreduce_gradients
-from ffstate.models import TinyGPT
+from ffstate.demo.worker import allreduce_gradients
+from ffstate.testing.models import TinyGPT
 
 FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)

@@ -38,7 +38,7 @@ from ffstate.bench._report import environment, median_seconds, publish, pyplot, 
 from ffstate.bench.bandwidth import start_daemon
 from ffstate.bench.codec import SIZES
 from ffstate.client import Client, fetch_striped
-from ffstate.models import TinyGPT
+from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.capture")
 JOB = "bench-capture"

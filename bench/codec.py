@@ -28,7 +28,7 @@ import torch
 
 from ffstate import codec
 from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
-from ffstate.models import TinyGPT
+from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.codec")
 

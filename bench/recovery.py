@@ -44,7 +44,7 @@ from ffstate.bench._report import environment, free_ports, median_seconds, publi
 from ffstate.bench.bandwidth import start_daemon
 from ffstate.bench.codec import SIZES
 from ffstate.client import Client
-from ffstate.models import TinyGPT
+from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.recovery")
 WAYS = ("ffstate", "torch.save", "dcp.save", "dcp.async_save")

@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
     p.set_defaults(run=cmd_status)
 
-    from ffstate import demo
+    from ffstate.demo import main as demo
 
     p = sub.add_parser("demo", help="the main job: torchrun, a killed rank and node, recovery, bit-exact check")
     demo.add_arguments(p)

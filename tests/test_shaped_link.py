@@ -18,7 +18,7 @@ import pytest
 
 from ffstate import Config
 from ffstate.bench import netns
-from ffstate.demo import compare
+from ffstate.testing.bitwise import compare_runs
 
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.timeout(600), pytest.mark.skipif(bool(REASON), reason=f"no shaped links here: {REASON}")]
@@ -29,7 +29,7 @@ def torchrun_on_link(link: netns.Link, out: Path, tmp: Path, job: str, *extra: s
     """The demo worker as a 2-node job, one torchrun agent per namespace; returns both agents' results."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex,
            "FFSTATE_BASE_PORT": str(random.randint(20000, 60000)), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
-    return netns.torchrun_two_nodes(link, ["-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(STEPS),
+    return netns.torchrun_two_nodes(link, ["-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(STEPS),
                                            *extra], env, timeout=500)
 
 
@@ -37,7 +37,7 @@ def test_node_lost_across_a_200mbit_link_resumes_bit_exact(tmp_path):
     ref = tmp_path / "ref"
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m",
-                           "ffstate.demo_worker", "--out", str(ref), "--steps", str(STEPS), "--parallel", "ddp",
+                           "ffstate.demo.worker", "--out", str(ref), "--steps", str(STEPS), "--parallel", "ddp",
                            "--no-ffstate"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     job = f"l{uuid.uuid4().hex[:6]}"
@@ -53,6 +53,6 @@ def test_node_lost_across_a_200mbit_link_resumes_bit_exact(tmp_path):
     lost = [e for e in restored if e["rank"] in (2, 3)]  # node 1's ranks: over the link, from node 0's daemon
     assert len(lost) == 2 and all(link.addresses[0] in e["source"] for e in lost)
     assert not any(link.addresses[1] in e["source"] + json.dumps(e["parts_from"]) for e in restored)  # node 1 is new
-    assert compare(tmp_path / "out", ref, 4) == []
+    assert compare_runs(tmp_path / "out", ref, 4) == []
     finished = [e for e in rows if e["event"] == "finished"]
     assert len(finished) == 4 and all(e["razor_group"] == [0, 1, 2, 3] for e in finished)

@@ -16,7 +16,7 @@ import torch
 
 from ffstate import Config, FFStateError, replicate
 from ffstate.bench._report import free_ports
-from ffstate.demo import compare
+from ffstate.testing.bitwise import compare_runs
 from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,7 +32,7 @@ def env_for(tmp: Path, job: str) -> dict:
 
 def torchrun(out: Path, env: dict, *extra: str, ok: bool = True, restarts: int = 3) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts",
-            str(restarts), "-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(STEPS), *extra]
+            str(restarts), "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(STEPS), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=500)
     if ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -66,7 +66,7 @@ def test_rank_killed_right_after_a_commit_resumes_bit_exact_losing_nothing(refer
     assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
     assert {e["version"] for e in events} == {5} and {e["steps_lost"] for e in events} == {0}
     assert all("local slots" in e["source"] for e in events)  # no node was lost: memory copies
-    assert compare(tmp_path / "out", reference, 4) == []
+    assert compare_runs(tmp_path / "out", reference, 4) == []
     assert "profiled" not in proc.stdout + proc.stderr  # DDP marks its collectives: nothing to profile
     finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
                 if json.loads(line)["event"] == "finished"]
@@ -81,7 +81,7 @@ def test_rank_killed_mid_step_or_mid_commit_resumes_bit_exact_losing_at_most_one
     events = restores(tmp_path, job)
     assert len(events) == 4 and {e["version"] for e in events} <= {5, 6}
     assert all(e["steps_lost"] <= 1 for e in events)
-    assert compare(tmp_path / "out", reference, 4) == []
+    assert compare_runs(tmp_path / "out", reference, 4) == []
 
 
 def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
@@ -102,7 +102,7 @@ def test_two_failures_in_a_row_a_rank_then_a_whole_node(reference, tmp_path):
     # back through the deltas it keeps when v* is older than their slots).
     assert all(e["source"] in ("local slots of node0", node0) for e in second), second
     assert {2, 3} <= {e["rank"] for e in second if e["source"] == node0}
-    assert compare(tmp_path / "out", reference, 4) == []
+    assert compare_runs(tmp_path / "out", reference, 4) == []
     assert not list((tmp_path / f"ffstate-{job}").glob("daemon-*.pid")), "a daemon outlived the job"
     # ZeRO: the parameters are split 4 ways (razor), each rank's optimizer shard is replicated whole.
     for e in job_events(tmp_path, job, "finished"):
@@ -119,7 +119,7 @@ def test_daemon_killed_while_training_goes_on_then_a_rank_dies(reference, tmp_pa
     assert {e["rank"] for e in events if e["event"] == "daemon-restarted"} == {0, 1}, (events, proc.stderr[-6000:])
     restored = [e for e in events if e["event"] == "restored"]
     assert {e["version"] for e in restored} == {10} and {e["steps_lost"] for e in restored} == {0}
-    assert compare(tmp_path / "out", reference, 4) == []
+    assert compare_runs(tmp_path / "out", reference, 4) == []
 
 
 def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp_path):
@@ -140,7 +140,7 @@ def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp
     assert "profiled timelines" in status, status
     for rank in range(4):  # steps profiled 3, at least one collective a step
         assert re.search(rf"{job} +│ +{rank}/4 +│ +3 +│ +[1-9]\d* +│", status), status
-    assert compare(tmp_path / "out", ref / "out", 4) == []
+    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
 
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
@@ -183,7 +183,7 @@ def test_fsdp2_rank_killed_resumes_bit_exact(tmp_path):
     torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "fsdp2", "--kill-rank", "1", "--kill-step", "4")
     events = restores(tmp_path, job)
     assert {e["version"] for e in events} == {4} and {e["steps_lost"] for e in events} == {0}
-    assert compare(tmp_path / "out", ref / "out", 4) == []
+    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
     finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
                 if json.loads(line)["event"] == "finished"]  # FSDP2: every rank's shard is its own, nothing to split
     assert len(finished) == 4 and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
@@ -208,7 +208,7 @@ def test_razor_ddp_rank_killed_rebuilds_from_the_groups_parts_bit_exact(referenc
     restored = job_events(tmp_path, job, "restored")
     assert {e["version"] for e in restored} == {5} and {e["steps_lost"] for e in restored} == {0}
     assert all(sorted(map(int, e["parts_from"])) == sorted({0, 1, 2, 3} - {e["rank"]}) for e in restored)
-    assert compare(tmp_path / "out", reference_ddp, 4) == []
+    assert compare_runs(tmp_path / "out", reference_ddp, 4) == []
     finished = job_events(tmp_path, job, "finished")
     assert {tuple(e["razor_group"]) for e in finished} == {(0, 1, 2, 3)}
     assert all(e["shard_bytes"] < 0.26 * e["state_bytes"] for e in finished), finished
@@ -225,7 +225,7 @@ def test_razor_ddp_node_lost_rebuilds_from_the_surviving_copies_bit_exact(refere
     restored = job_events(tmp_path, job, "restored")
     assert len(restored) == 4 and len({e["version"] for e in restored}) == 1
     assert all(e["steps_lost"] <= Config().max_lag for e in restored)
-    assert compare(tmp_path / "out", reference_ddp, 4) == []
+    assert compare_runs(tmp_path / "out", reference_ddp, 4) == []
 
 
 def test_razor_mismatch_in_a_supposedly_identical_entry_is_detected_and_falls_back(tmp_path):
@@ -243,7 +243,7 @@ def test_razor_mismatch_in_a_supposedly_identical_entry_is_detected_and_falls_ba
     assert {e["rank"] for e in mismatches if e["attempt"] == 0} == {0, 1, 2, 3}
     assert {tuple(e["entries"]) for e in mismatches} == {("model/module.pos",)}
     assert {e["version"] for e in job_events(tmp_path, job, "restored")} == {8}
-    assert compare(tmp_path / "out", ref / "out", 4) == []
+    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
     assert all(e["razor_mismatches"] >= 1 for e in job_events(tmp_path, job, "finished"))
 
 

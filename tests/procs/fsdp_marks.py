@@ -18,7 +18,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 
 from ffstate import capture, shm  # noqa: E402
 from ffstate.marks import mark_fsdp_collectives  # noqa: E402
-from ffstate.models import TinyGPT  # noqa: E402
+from ffstate.testing.models import TinyGPT  # noqa: E402
 from helpers import bits  # noqa: E402
 
 STEPS = 3

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ffstate  # noqa: E402
 import ffstate.reports  # noqa: E402
-from ffstate.models import TinyGPT  # noqa: E402
+from ffstate.testing.models import TinyGPT  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """``ffstate demo``: the main job, with failures, next to the same job without them.
 
 1. torchrun, 4 CPU ranks as 2 simulated nodes (each with its own daemon), trains TinyGPT under DDP
-   with a ZeRO-sharded AdamW (``ffstate/demo_worker.py``). One rank is SIGKILLed after a chosen
+   with a ZeRO-sharded AdamW (``demo/worker.py``). One rank is SIGKILLed after a chosen
    step; after the restart, a whole node (its two ranks and its daemon) is SIGKILLed; torchrun
    restarts the group each time and ffstate restores it from the surviving copies.
 2. The same training again, without failures and without ffstate.
@@ -27,11 +27,13 @@ from pathlib import Path
 
 import torch
 
+from ffstate.testing.bitwise import compare_runs
+
 
 def torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, timeout: float) -> float:
     """Runs the worker under torchrun; returns its wall time. Raises on failure, with the log's tail."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-            "--max-restarts", "3", "-m", "ffstate.demo_worker", "--out", str(out), "--steps", str(steps), *extra]
+            "--max-restarts", "3", "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps), *extra]
     start = time.perf_counter()
     with open(log, "w") as f:
         proc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
@@ -39,32 +41,6 @@ def torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, time
         tail = "".join(log.read_text().splitlines(keepends=True)[-40:])
         raise SystemExit(f"torchrun failed (exit {proc.returncode}); the end of {log}:\n{tail}")
     return time.perf_counter() - start
-
-
-def compare(a: Path, b: Path, world: int) -> list[str]:
-    """Names of every tensor or value that differs, bitwise, between the two runs' final states."""
-    diffs = []
-    for r in range(world):
-        x = torch.load(a / f"final-rank{r}.pt", weights_only=True)
-        y = torch.load(b / f"final-rank{r}.pt", weights_only=True)
-        diffs += [f"rank {r}: {d}" for d in _diff(x, y, "")]
-    return diffs
-
-
-def _diff(x, y, path: str) -> list[str]:
-    if isinstance(x, torch.Tensor):
-        same = isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-            x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-        return [] if same else [path]
-    if isinstance(x, dict):
-        if not isinstance(y, dict) or list(x) != list(y):
-            return [path + " (keys)"]
-        return [d for k in x for d in _diff(x[k], y[k], f"{path}/{k}")]
-    if isinstance(x, (list, tuple)):
-        if type(x) is not type(y) or len(x) != len(y):
-            return [path + " (length)"]
-        return [d for i, (u, v) in enumerate(zip(x, y)) for d in _diff(u, v, f"{path}/{i}")]
-    return [] if x == y else [path]
 
 
 def checkpoint_baseline(state_file: Path, repeats: int = 3) -> tuple[float, float, int]:
@@ -158,7 +134,7 @@ def main(args: argparse.Namespace) -> int:
                       f"1/{len(group)} of them plus its own ZeRO optimizer shard: {share:.2f} of its "
                       f"{finished[0]['state_bytes'] / 1e6:.1f} MB state; every restore put the parameters back "
                       f"together from all {len(group)} ranks' parts")
-    diffs = compare(failing, reference, 4)
+    diffs = compare_runs(failing, reference, 4)
     if diffs:
         console.print(f"[bold red]NOT bit-identical[/bold red]: {len(diffs)} differences, e.g. {diffs[:5]}")
     else:

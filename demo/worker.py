@@ -2,7 +2,7 @@
 ``ffstate.replicate``, with failures injected on request.
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FFSTATE_SIMULATED_NODES=2 \\
-        torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo_worker --out DIR [--steps 40]
+        torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo.worker --out DIR [--steps 40]
         [--kill-rank R --kill-step S [--kill-phase after-commit|mid-step|mid-commit]]
         [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--no-ffstate]
 
@@ -12,7 +12,7 @@ written). ``--kill-node`` SIGKILLs node N's daemon and every rank of node N afte
 ``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. Each failure
 happens once (a marker file in DIR).
 At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
-``ffstate demo`` (``ffstate/demo.py``) runs this twice and compares.
+``ffstate demo`` (``demo/main.py``) runs this twice and compares.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ffstate
 import ffstate.job
 from ffstate import capture
-from ffstate.models import TinyGPT
+from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.demo")
 MODEL = dict(vocab=256, dim=128, heads=4, layers=2, seq=64)
