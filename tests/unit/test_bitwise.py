@@ -12,7 +12,8 @@ from ffstate.testing.bitwise import assert_bitwise_equal, compare_runs, differen
 
 @pytest.mark.parametrize("got, want, what", [
     (torch.tensor([-0.0]), torch.tensor([0.0]), "bits differ"),
-    (torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32), torch.tensor([float("nan")]), "bits differ"),  # NaN payload
+    (torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32), torch.tensor([float("nan")]),  # NaN payload
+     "bits differ"),
     (torch.tensor([2], dtype=torch.uint8).view(torch.bool), torch.tensor([True]), "bits differ"),
     (torch.zeros(2, requires_grad=True), torch.zeros(2), "requires_grad"),
     (torch.zeros(2, dtype=torch.float64), torch.zeros(2), "dtype"),

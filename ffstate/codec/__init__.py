@@ -1,0 +1,29 @@
+"""The lossless snapshot codec: pack a state into one flat buffer, encode it (full, or an XOR delta
+against a base) into checksummed chunks, and back, bit for bit (DESIGN.md I1, I2, I6).
+
+Two levels:
+
+- state level: ``encode(state, base) -> Packed`` and ``decode(packed, base) -> state``;
+- buffer level, for the capture path and the daemon: ``pack``/``pack_into`` a state into a buffer
+  the caller owns, ``encode_snapshot``/``decode_snapshot`` on buffers, ``unpack`` a buffer into a
+  new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
+
+CPU buffers use the reference path (``ffstate.planes``); CUDA buffers use the Triton kernels in
+``ffstate.kernels``, which produce the same bytes. The wire format is in docs/wire-format.md.
+
+The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``pack`` (state <-> buffer),
+``delta`` (buffer <-> chunks, and the state level), ``decoder`` (streamed decoding), ``backend`` (the
+CPU path's threads, the kernels' dispatch, the checksum). The names below are the codec's API.
+"""
+
+from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum
+from ffstate.codec.chunks import (CHUNK_OVERHEAD, DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MAX_HEADER_BYTES,
+                                  MIN_CHUNK_BYTES, Chunk, Packed, Snapshot, segments, verify_chunks)
+from ffstate.codec.decoder import Decoder
+from ffstate.codec.delta import decode, decode_snapshot, encode, encode_snapshot, revert_snapshot
+from ffstate.codec.pack import pack, pack_into, pack_targets, restore_into, unpack, unpack_verified
+
+__all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",
+           "Chunk", "Decoder", "Packed", "Snapshot", "_map", "_pool", "_use_kernels", "buffer_checksum", "decode",
+           "decode_snapshot", "encode", "encode_snapshot", "pack", "pack_into", "pack_targets", "restore_into",
+           "revert_snapshot", "segments", "unpack", "unpack_verified", "verify_chunks"]

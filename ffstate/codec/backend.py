@@ -1,0 +1,57 @@
+"""Where the codec's work runs: the CPU reference path on a thread pool (NumPy releases the GIL, so it scales
+with cores), or the Triton kernels (``ffstate.kernels``) for CUDA buffers, which produce the same bytes;
+``FFSTATE_KERNELS`` forces either. And the buffer checksum every level verifies against."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ffstate import planes
+from ffstate.config import Config
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
+        return _POOL
+
+
+def _map(fn, items):
+    """``map`` over a thread pool: NumPy releases the GIL, so the CPU path scales with cores."""
+    items = list(items)
+    if len(items) < 2:
+        return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    """Triton for CUDA tensors; FFSTATE_KERNELS=triton forces it (CPU tensors need TRITON_INTERPRET=1)."""
+    choice = _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto"))
+    return choice == "triton" or (choice == "auto" and t.is_cuda)
+
+
+@functools.lru_cache(maxsize=4)
+def _kernels_choice(raw: str) -> str:
+    """``FFSTATE_KERNELS`` checked as ``Config`` checks it, once per value: every commit and checksum asks
+    (``Config.from_env()`` reads every variable: 60 us, 4% of a commit)."""
+    return Config(kernels=raw).kernels
+
+
+def buffer_checksum(buf: torch.Tensor) -> int:
+    """The checksum of a uint8 buffer (``planes.checksum``), on the buffer's device."""
+    if _use_kernels(buf):
+        from ffstate import kernels
+
+        return kernels.checksum(buf)
+    return planes.checksum(buf.numpy(), _map)

@@ -1,0 +1,156 @@
+"""An encoded version as it travels: chunk 0 is the JSON header, chunks 1.. are segments of the packed
+buffer, each with its checksum (docs/wire-format.md); and the checks a received chunk list passes
+before anything is decoded (complete, in order, one version's, every checksum right: DESIGN.md I6)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ffstate import planes
+from ffstate.codec.backend import _map
+from ffstate.config import Config
+from ffstate.errors import CodecError
+from ffstate.layout import Manifest
+
+FORMAT = 1
+DEFAULT_CHUNK_BYTES = Config.chunk_bytes
+MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
+# Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
+CHUNK_OVERHEAD = 16
+MAX_HEADER_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One unit of an encoded version: ``payload`` is bytes-like, ``checksum`` covers it."""
+
+    index: int
+    count: int
+    checksum: int
+    payload: memoryview
+
+    @staticmethod
+    def of(index: int, count: int, payload: np.ndarray | bytes) -> "Chunk":
+        arr = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else payload
+        return Chunk(index, count, planes.checksum(arr), memoryview(arr).cast("B"))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A packed state: its manifest, the flat uint8 buffer, and the buffer's checksum (None: not computed)."""
+
+    manifest: Manifest
+    buffer: torch.Tensor
+    checksum: int | None
+
+
+@dataclass
+class Packed:
+    """An encoded version: chunk 0 is the header (JSON), chunks 1.. are segments of the buffer.
+
+    ``nbytes`` is what goes on the wire; ``raw_nbytes`` is the size of the snapshot it restores.
+    """
+
+    chunks: list[Chunk]
+    _header: dict | None = field(default=None, repr=False)
+
+    @property
+    def header(self) -> dict:
+        if self._header is None:
+            self._header = _parse_header(self.chunks)
+        return self._header
+
+    @property
+    def kind(self) -> str:
+        return self.header["kind"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(c.payload) + CHUNK_OVERHEAD for c in self.chunks)
+
+    @property
+    def raw_nbytes(self) -> int:
+        return int(self.header["nbytes"])
+
+    @property
+    def checksum(self) -> int:
+        return int(self.header["checksum"], 16)
+
+    @property
+    def base_checksum(self) -> int | None:
+        b = self.header.get("base_checksum")
+        return None if b is None else int(b, 16)
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_nbytes / max(1, self.nbytes)
+
+
+def _verify_chunk(c: Chunk) -> None:
+    got = planes.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+    if got != c.checksum:
+        raise CodecError(f"chunk {c.index} of {c.count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+
+
+def segments(manifest: Manifest, chunk_bytes: int) -> list[tuple[int, int, int]]:
+    """(byte offset, element count, itemsize) of every segment, in chunk order."""
+    out = []
+    for g in manifest.groups:
+        step = max(1, chunk_bytes // g.itemsize) * g.itemsize
+        for start in range(g.offset, g.offset + g.nbytes, step):
+            nbytes = min(step, g.offset + g.nbytes - start)
+            out.append((start, nbytes // g.itemsize, g.itemsize))
+    return out
+
+
+def _check_segment_count(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int) -> None:
+    need = len(segments(manifest, chunk_bytes))
+    if len(chunks) - 1 != need:
+        raise CodecError(f"version has {len(chunks) - 1} segment chunks, its manifest needs {need}")
+
+
+def verify_chunks(chunks: Sequence[Chunk]) -> None:
+    """Checks a received chunk list: complete, in order, one version's, every checksum right.
+
+    Raises:
+        CodecError: naming the first chunk that is missing, out of place or corrupted.
+    """
+    if not chunks:
+        raise CodecError("empty chunk list: a version has at least its header chunk")
+    count = chunks[0].count
+    if len(chunks) != count:
+        raise CodecError(f"truncated or padded chunk list: {len(chunks)} chunks, the version has {count}")
+    for i, c in enumerate(chunks):
+        if c.index != i or c.count != count:
+            raise CodecError(f"chunk {i} of {count} claims to be chunk {c.index} of {c.count}: reordered or foreign")
+    _map(_verify_chunk, chunks)
+
+
+def _parse_header(chunks: Sequence[Chunk]) -> dict:
+    """Parses and validates chunk 0, the JSON header (``verify_chunks`` checks the list itself)."""
+    if not chunks:
+        raise CodecError("empty chunk list: a version has at least its header chunk")
+    if len(chunks[0].payload) > MAX_HEADER_BYTES:
+        raise CodecError(f"header chunk of {len(chunks[0].payload)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = json.loads(bytes(chunks[0].payload))
+        kind = header["kind"]
+        fmt = header["format"]
+        int(header["checksum"], 16)
+        nbytes, chunk_bytes = int(header["nbytes"]), int(header["chunk_bytes"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CodecError(f"malformed header chunk: {e!r}") from e
+    if fmt != FORMAT:
+        raise CodecError(f"format {fmt} is not supported by this ffstate (format {FORMAT})")
+    if kind not in ("full", "delta") or ("manifest" if kind == "full" else "scalars") not in header:
+        raise CodecError(f"malformed header: kind {kind!r}")
+    if kind == "delta" and "base_checksum" not in header:
+        raise CodecError("malformed header: a delta without its base checksum")
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or nbytes < 0:
+        raise CodecError(f"malformed header: chunk_bytes {chunk_bytes}, nbytes {nbytes}")
+    return header

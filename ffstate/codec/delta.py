@@ -1,0 +1,206 @@
+"""Buffer <-> chunks: a snapshot encoded in full or as an XOR delta against a base (byte planes, compacted:
+``ffstate.planes``), decoded and verified end to end, applied in place onto its base, or reverted (XOR
+deltas are their own inverse: DESIGN.md I2, I3). A failure leaves every buffer as it was. And the
+state-level ``encode``/``decode`` on top."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ffstate import layout, planes
+from ffstate.codec.backend import _map, _use_kernels, buffer_checksum
+from ffstate.codec.chunks import (DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Chunk, Packed,
+                                  Snapshot, _check_segment_count, segments, verify_chunks)
+from ffstate.codec.pack import pack, unpack
+from ffstate.errors import CodecError
+from ffstate.layout import Manifest
+
+
+def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+    """Encodes a snapshot as a full version, or as an XOR delta against ``base`` (same layout).
+
+    Raises:
+        CodecError: ``base`` has another layout, or ``chunk_bytes`` is out of range.
+    """
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    m = snapshot.manifest
+    checksum = buffer_checksum(snapshot.buffer) if snapshot.checksum is None else snapshot.checksum
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        "layout_id": m.layout_id,
+        "nbytes": m.nbytes,
+        "checksum": f"{checksum:016x}",
+        "chunk_bytes": chunk_bytes,
+    }
+    buf = snapshot.buffer
+    if base is None:
+        header.update(kind="full", manifest=json.loads(m.to_json()))
+    else:
+        if base.manifest.layout_id != m.layout_id:
+            raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
+        header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
+    bodies = _encode_groups(buf, None if base is None else base.buffer.to(buf.device), m, chunk_bytes)
+    count = 1 + len(bodies)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    chunks = _map(lambda ib: Chunk.of(ib[0], count, ib[1]), enumerate([head] + bodies))
+    return Packed(chunks, header)
+
+
+def decode_snapshot(
+    packed: Packed,
+    base: Snapshot | None = None,
+    max_nbytes: int | None = None,
+    device: Any = "cpu",
+    inplace: bool = False,
+) -> Snapshot:
+    """The snapshot an encoded version restores, verified end to end; ``base`` is required for a delta.
+
+    The result's buffer is on ``device`` for a full version, on the base's device for a delta (a
+    CUDA buffer is decoded by the Triton kernels). With ``inplace``, a delta is applied to
+    ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
+    as it was, since an XOR delta applied twice is undone (DESIGN.md I2).
+    ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
+    budget allows); the chunk count is checked against the manifest before anything is allocated.
+
+    Raises:
+        CodecError: a chunk is corrupted, missing, reordered or foreign; the base is missing or wrong;
+            or the decoded buffer does not match the version's checksum.
+    """
+    verify_chunks(packed.chunks)
+    header = packed.header
+    if header["kind"] == "full":
+        manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
+        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+        if max_nbytes is not None and manifest.nbytes > max_nbytes:
+            raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {max_nbytes} allowed")
+        if inplace:
+            raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
+        out = layout.alloc_buffer(manifest, device=device)
+    else:
+        if base is None:
+            raise CodecError("this version is a delta: decoding it needs the base it was encoded against")
+        if base.manifest.layout_id != header["layout_id"]:
+            raise CodecError(
+                f"wrong base: the delta is for layout {header['layout_id']}, the base has {base.manifest.layout_id}"
+            )
+        if base.checksum != packed.base_checksum:
+            raise CodecError(
+                f"wrong base: the delta was encoded against a base with checksum {header['base_checksum']}, "
+                f"the given base has {base.checksum:016x}"
+            )
+        manifest = base.manifest.with_scalars(header["scalars"])
+        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+        out = base.buffer.detach() if inplace else base.buffer.detach().clone()
+    if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
+        raise CodecError("the header's layout id or size does not match its manifest")
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    got = buffer_checksum(out)
+    if got != packed.checksum:
+        if inplace:
+            _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
+        raise CodecError(
+            f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
+            "the chunks do not belong to this version or its base"
+        )
+    return Snapshot(manifest, out, got)
+
+
+def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
+    """Steps ``snapshot`` (the version a delta produced) back to the delta's base, in place.
+
+    XOR deltas are their own inverse, so a replica keeps its last deltas instead of old copies
+    (DESIGN.md I3). The delta carries only the new version's scalars: ``base_scalars`` are the
+    base's. On any failure the buffer is left as it was.
+
+    Raises:
+        CodecError: ``packed`` is not a delta that produced ``snapshot``.
+    """
+    verify_chunks(packed.chunks)
+    header = packed.header
+    if header["kind"] != "delta":
+        raise CodecError("only a delta can be reverted")
+    if header["layout_id"] != snapshot.manifest.layout_id or snapshot.checksum != packed.checksum:
+        raise CodecError(f"this delta produced the snapshot with checksum {header['checksum']}, "
+                         f"not the given one ({snapshot.checksum:016x})")
+    manifest = snapshot.manifest.with_scalars(base_scalars)
+    _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+    out = snapshot.buffer
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    got = buffer_checksum(out)
+    if got != packed.base_checksum:
+        _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
+        raise CodecError(f"reverting gave checksum {got:016x}, the delta's base has {header['base_checksum']}")
+    return Snapshot(manifest, out, got)
+
+
+def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manifest, chunk_bytes: int
+                   ) -> list[np.ndarray]:
+    """Encoded segments of ``buf`` (XOR ``base``), in chunk order."""
+    segs = segments(manifest, chunk_bytes)
+    if _use_kernels(buf):
+        from ffstate import kernels
+
+        return kernels.encode_segments(buf, segs, base)
+    host = buf.numpy()
+    base_host = None if base is None else base.numpy()
+
+    def encode_one(seg: tuple[int, int, int]) -> np.ndarray:
+        off, n, size = seg
+        d = host[off : off + n * size]
+        if base_host is not None:
+            d = np.bitwise_xor(d, base_host[off : off + n * size])
+        return planes.encode_segment(d, size, off)
+
+    return _map(encode_one, segs)
+
+
+def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor) -> None:
+    """XORs every segment into ``out``; if one is malformed, the others are undone and CodecError raised."""
+    segs = segments(manifest, chunk_bytes)
+    payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
+    if _use_kernels(out):
+        from ffstate import kernels
+
+        kernels.apply_segments(payloads, segs, out)
+        return
+    host = out.numpy()
+
+    def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
+        payload, (off, n, size) = item
+        try:
+            planes.apply_segment(payload, size, off, host[off : off + n * size])
+        except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
+            return e
+        return None
+
+    items = list(zip(payloads, segs))
+    errors = _map(apply, items)
+    failed = [e for e in errors if e is not None]
+    if failed:
+        _map(apply, [item for item, e in zip(items, errors) if e is None])  # XOR again: undone
+        raise failed[0]
+
+
+def encode(state: Any, base: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+    """Encodes a state: in full when ``base`` is None, else as a delta against ``base`` (same structure).
+
+    Raises:
+        CodecError: the state holds an unsupported value, or ``base`` has another structure.
+    """
+    snapshot = pack(state)
+    return encode_snapshot(snapshot, None if base is None else pack(base), chunk_bytes)
+
+
+def decode(packed: Packed, base: Any = None, map_location: Any = None) -> Any:
+    """The exact state an encoded version holds (same nesting and types, bitwise-equal tensors).
+
+    Raises:
+        CodecError: see ``decode_snapshot``.
+    """
+    snapshot = decode_snapshot(packed, None if base is None else pack(base))
+    return unpack(snapshot, map_location)
