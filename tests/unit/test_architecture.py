@@ -1,0 +1,91 @@
+"""The tree keeps DESIGN.md's picture: imports point one way, files and classes stay readable in one
+sitting, and the layers that must not know each other do not (issue: one idea per file)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "ffstate"
+MAX_FILE_LINES = 400
+MAX_CLASS_LINES = 300
+
+
+def modules() -> dict[str, Path]:
+    """ffstate's own modules (generated stubs aside), by dotted name."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    """The ffstate modules ``path`` imports, at any depth of its code (a lazy import is still a dependency)."""
+    got = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n and n != "ffstate":
+                got.add(n)
+    return got
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports(path, known) - {name} for name, path in known.items()}
+
+
+def test_no_import_cycle():
+    g = graph()
+    state: dict[str, int] = {}
+
+    def visit(n: str, trail: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(g.get(n, ())):
+            if state.get(m) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(m):] + [m]))
+            if m not in state:
+                visit(m, trail + [m])
+        state[n] = 2
+
+    for n in sorted(g):
+        if n not in state:
+            visit(n, [n])
+
+
+def test_nothing_below_the_trainer_imports_it():
+    users = {n for n, deps in graph().items() if "ffstate.trainer" in deps}
+    assert users <= {"ffstate", "ffstate.cli"}, f"below the trainer, yet importing it: {sorted(users - {'ffstate'})}"
+
+
+def test_layers_that_must_not_know_each_other():
+    g = graph()
+    slots = {n for n in g if n.startswith("ffstate.shm")}
+    assert not {n for n in slots if any(d.startswith("ffstate.codec") for d in g[n])}, "the slots hand out bytes"
+    assert not any(d.startswith("ffstate.codec") for n in g if n.startswith("ffstate.layout") for d in g[n])
+    # The node's runtime, its store and replicator know no protobuf: the servicer and the client translate.
+    for n in ("ffstate.daemon.node", "ffstate.daemon.store", "ffstate.daemon.replicator", "ffstate.reports"):
+        text = modules()[n].read_text()
+        assert "_proto" not in text and "import grpc" not in text, f"{n} speaks protobuf"
+
+
+def test_files_and_classes_stay_small():
+    for name, path in modules().items():
+        lines = path.read_text().count("\n")
+        assert lines <= MAX_FILE_LINES, f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_FILE_LINES})"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= MAX_CLASS_LINES, f"{name}.{node.name}: {size} lines (at most {MAX_CLASS_LINES})"
