@@ -21,7 +21,7 @@ from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 12
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def env_for(tmp: Path, job: str) -> dict:

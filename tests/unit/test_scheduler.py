@@ -1,15 +1,10 @@
-"""The scheduler's decisions, on a simulated clock (no timing measured here: that is `ffstate bench overhead`),
-and the communication marks a worker writes into its slot header for it."""
-
-import contextlib
-import ctypes
-import time
+"""ffstate/scheduler.py: the scheduler's decisions, on a simulated clock (no timing measured here: that is
+`ffstate bench overhead`). The marks it reads are tested in test_shm.py, the profiled timeline in
+test_profiling.py."""
 
 import pytest
 
-from ffstate import layout, profiling, shm
-from ffstate.commit import SlotWriter
-from ffstate.scheduler import Naive, Scheduler, Timeline, merge_intervals, predicted_busy_until, project
+from ffstate.scheduler import Naive, Scheduler, merge_intervals, predicted_busy_until, project
 
 
 class FakeClock:
@@ -47,24 +42,6 @@ def test_prediction_repeats_the_last_steps_collectives_after_the_newest_commit()
     assert predicted_busy_until(11.75, 11.76, intervals, commits) == pytest.approx(11.8)
     assert predicted_busy_until(11.9, 12.25, intervals, commits) == pytest.approx(12.4)  # the step after
     assert predicted_busy_until(11.1, 11.3, intervals, [11.0]) is None  # one commit: no step length yet
-
-
-def test_profiled_timeline_is_the_median_steps_collectives_as_offsets_from_its_commit():
-    marks = [0.0, 1.0, 2.2, 3.1]  # steps of 1.0, 1.2 and 0.9 s: the median is the first
-    collectives = [(0.1, 0.2), (0.15, 0.3), (0.5, 0.6), (1.1, 1.5), (2.3, 2.4), (3.2, 3.3)]
-    t = profiling.timeline_of(marks, collectives)
-    assert (t.steps, t.period) == (3, 1.0)
-    assert flat(t.intervals) == pytest.approx([0.1, 0.3, 0.5, 0.6])  # overlapping ones merged
-    assert t.busy_seconds == pytest.approx(0.3)
-    assert profiling.timeline_of([5.0], collectives) is None  # no whole step
-    # More than the slot header holds: the smallest gaps are closed, every collective still covered.
-    many = [(i * 0.01 + (0.004 if i % 3 else 0.0), i * 0.01 + 0.006) for i in range(90)]
-    coarse = profiling.timeline_of([0.0, 1.0], many).intervals
-    assert len(coarse) <= profiling.MAX_INTERVALS
-    assert all(any(a <= s and e <= b for a, b in coarse) for s, e in many)
-    assert profiling.is_collective("gloo:all_reduce", False) and not profiling.is_collective("aten::mm", False)
-    assert profiling.is_collective("ncclDevKernel_AllGather_RING_LL", True)
-    assert not profiling.is_collective("nccl:all_reduce", False)  # NCCL's CPU side only launches the kernel
 
 
 def test_a_profiled_timeline_is_placed_after_the_newest_commit_and_holds_chunks_out_of_it():
@@ -193,114 +170,3 @@ def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
     assert Naive().links() == {} and Naive().before_chunk("h", 1) == 0.0
 
 
-@contextlib.contextmanager
-def worker_and_daemon_slots(tmp_path, monkeypatch):
-    """One rank's slots, as its worker and its daemon map them; yields (a state, worker's, daemon's)."""
-    import torch
-
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    state = {"w": torch.zeros(10)}
-    manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
-    try:
-        yield state, worker, daemon
-    finally:
-        worker.close()
-        daemon.close()
-
-
-def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
-    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
-        marks = shm.CommMarks()
-        early = marks.start()  # before attach (no slots yet): counted, written at attach
-        marks.attach(worker)
-        assert daemon.comm_marks()[0] == 1
-        t = marks.start()
-        assert daemon.comm_marks()[0] == 2  # both on the wire now
-        marks.end(early)
-        marks.end(t)
-        SlotWriter(worker).commit(state, 1)
-        SlotWriter(worker).commit(state, 2)
-        inflight, intervals, commits = daemon.comm_marks()
-        assert inflight == 0 and len(intervals) == 2 and all(a <= b <= time.time() for a, b in intervals)
-        assert len(commits) == 2 and commits[0] <= commits[1]
-        timeline = Timeline(daemon.comm_marks)
-        timeline.observe()
-        assert timeline.collectives == 1  # the two overlapped: one collective (the ranks of a node mark each)
-        for _ in range(shm.COMM_RING + 5):  # the ring keeps the newest
-            marks.end(marks.start())
-        assert len(daemon.comm_marks()[1]) == shm.COMM_RING
-        marks.start()  # a worker dies in the middle of an all-reduce: its count stays in the header...
-        assert daemon.comm_marks()[0] == 1
-        monkeypatch.setattr(shm.slots, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
-        assert daemon.comm_marks()[0] == 0
-
-
-def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
-    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
-        assert daemon.profiled_timeline() is None
-        t = profiling.ProfiledTimeline(3, 0.25, ((0.01, 0.02), (0.1, 0.15)))
-        worker.set_profiled_timeline(t)
-        assert daemon.profiled_timeline() == t
-        SlotWriter(worker).commit(state, 1)  # commits leave it
-        assert daemon.profiled_timeline() == t
-        full = profiling.ProfiledTimeline(3, 1.0, tuple((i / 100, i / 100 + 0.005) for i in range(shm.TIMELINE_MAX)))
-        worker.set_profiled_timeline(full)
-        assert daemon.profiled_timeline() == full
-        worker.set_profiled_timeline(profiling.ProfiledTimeline(3, 0.2, ()))  # profiled, no collectives found
-        assert daemon.profiled_timeline().intervals == ()
-        assert ctypes.sizeof(shm.Header) <= shm.PAGE and shm.Header.timeline.offset + 16 * shm.TIMELINE_MAX \
-            <= ctypes.sizeof(shm.Header)  # inside the header
-
-
-def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
-    """FSDP2 has no DDP hook: its all-gathers and reduce-scatters are marked through FSDPModule's custom
-    collectives, which must leave the training bit for bit as it was (real torchrun, 2 gloo ranks). The
-    commit's capture of the sharded model must be state_dict()'s local shards."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).parent / "procs" / "fsdp_marks.py"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["marked_modules"] == 3  # the root and both blocks
-        # per step: 3 all-gathers forward, 2 again backward (the root stays unsharded), 3 reduce-scatters
-        assert got["counts"] == [8, 16, 24] and got["inflight"] == 0
-        assert got["tensors"] > 100 and got["differ"] == []
-        assert got["capture_differs"] == []  # the commit reads state_dict(keep_vars=True): the same tensors
-
-
-def test_profiled_steps_find_the_collectives_and_yield_to_a_users_profiler(tmp_path):
-    """In-process: a 1-rank gloo group all-reduces in each step; the profiler finds it between the commits'
-    markers. With the user's own profiler running, ffstate does without."""
-    import torch
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        x = torch.ones(1 << 16)
-        p = profiling.StepProfiler(3)
-        got = []
-        for step in range(6):
-            time.sleep(0.01)
-            dist.all_reduce(x)
-            time.sleep(0.01)
-            got.append(p.on_commit())
-        assert got[:4] == [None] * 4 and p.done  # commits 2-5: markers; the timeline at the fifth
-        t = got[4]
-        assert t.steps == 3 and 0.015 < t.period < 1.0 and len(t.intervals) == 1
-        s, e = t.intervals[0]
-        assert 0.005 < s < e < t.period  # after the step's first sleep, inside the step
-        assert got[5] is None  # once
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
-            q = profiling.StepProfiler(3)
-            assert [q.on_commit() for _ in range(6)] == [None] * 6 and q.done
-    finally:
-        dist.destroy_process_group()

@@ -22,7 +22,7 @@ from ffstate.errors import ReplicaError, ReplicaUnavailable
 from helpers import assert_bitwise_equal, train_states
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 64 << 10
 JOB = "proto"
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def test_readme_codec_example_runs(capsys):
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "README.md").read_text()
     codec_section = text[text.index("## The codec"):]
     block = re.search(r"```python\n(.*?)```", codec_section, re.S).group(1)
     exec(compile(block, "README.md", "exec"), {})
@@ -21,7 +21,7 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
     import sys
     import uuid
 
-    text = (Path(__file__).parent.parent / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "README.md").read_text()
     section = text[text.index("## Training with ffstate"):]
     (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     env = {**os.environ, "STEPS": "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",

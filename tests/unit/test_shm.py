@@ -1,0 +1,96 @@
+"""ffstate/shm/: the slot header as the worker writes it and the daemon reads it (the same files mapped twice,
+in one process), and the doorbell's best effort."""
+
+import contextlib
+import ctypes
+import time
+
+import pytest
+
+from ffstate import layout, profiling, shm
+from ffstate.commit import SlotWriter
+from ffstate.scheduler import Timeline
+
+
+@contextlib.contextmanager
+def worker_and_daemon_slots(tmp_path, monkeypatch):
+    """One rank's slots, as its worker and its daemon map them; yields (a state, worker's, daemon's)."""
+    import torch
+
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    state = {"w": torch.zeros(10)}
+    manifest = layout.describe(state)
+    paths = shm.slot_paths("n0", "j", 0, 1)
+    shm.create_slots(paths, manifest, 4096)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    try:
+        yield state, worker, daemon
+    finally:
+        worker.close()
+        daemon.close()
+
+
+def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
+        marks = shm.CommMarks()
+        early = marks.start()  # before attach (no slots yet): counted, written at attach
+        marks.attach(worker)
+        assert daemon.comm_marks()[0] == 1
+        t = marks.start()
+        assert daemon.comm_marks()[0] == 2  # both on the wire now
+        marks.end(early)
+        marks.end(t)
+        SlotWriter(worker).commit(state, 1)
+        SlotWriter(worker).commit(state, 2)
+        inflight, intervals, commits = daemon.comm_marks()
+        assert inflight == 0 and len(intervals) == 2 and all(a <= b <= time.time() for a, b in intervals)
+        assert len(commits) == 2 and commits[0] <= commits[1]
+        timeline = Timeline(daemon.comm_marks)
+        timeline.observe()
+        assert timeline.collectives == 1  # the two overlapped: one collective (the ranks of a node mark each)
+        for _ in range(shm.COMM_RING + 5):  # the ring keeps the newest
+            marks.end(marks.start())
+        assert len(daemon.comm_marks()[1]) == shm.COMM_RING
+        marks.start()  # a worker dies in the middle of an all-reduce: its count stays in the header...
+        assert daemon.comm_marks()[0] == 1
+        monkeypatch.setattr(shm.slots, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
+        assert daemon.comm_marks()[0] == 0
+
+
+def test_a_profiled_timeline_reaches_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
+        assert daemon.profiled_timeline() is None
+        t = profiling.ProfiledTimeline(3, 0.25, ((0.01, 0.02), (0.1, 0.15)))
+        worker.set_profiled_timeline(t)
+        assert daemon.profiled_timeline() == t
+        SlotWriter(worker).commit(state, 1)  # commits leave it
+        assert daemon.profiled_timeline() == t
+        full = profiling.ProfiledTimeline(3, 1.0, tuple((i / 100, i / 100 + 0.005) for i in range(shm.TIMELINE_MAX)))
+        worker.set_profiled_timeline(full)
+        assert daemon.profiled_timeline() == full
+        worker.set_profiled_timeline(profiling.ProfiledTimeline(3, 0.2, ()))  # profiled, no collectives found
+        assert daemon.profiled_timeline().intervals == ()
+        assert ctypes.sizeof(shm.Header) <= shm.PAGE and shm.Header.timeline.offset + 16 * shm.TIMELINE_MAX \
+            <= ctypes.sizeof(shm.Header)  # inside the header
+
+
+@pytest.mark.parametrize("bell", [("ffstate-gone-1-0", 7), None], ids=["gone", "none"])
+def test_a_commit_whose_daemon_is_gone_or_has_no_doorbell_does_not_fail(tmp_path, bell):
+    """The doorbell is best effort: ringing a daemon that no longer exists is not an error, and slots made
+    without one (a daemon that could not open it) are committed all the same, found by its look."""
+    from helpers import train_states
+
+    state = next(iter(train_states(1)))
+    manifest = layout.describe(state)
+    paths = [tmp_path / "slot-0", tmp_path / "slot-1"]
+    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY, bell=bell)
+    slots = shm.Slots(paths, manifest)
+    try:
+        assert ((slots._bell.address, slots._bell.ring_bytes) if slots._bell else None) == (
+            ("\0" + bell[0], bell[1].to_bytes(8, "little")) if bell else None)
+        SlotWriter(slots).commit(state, 1)
+        SlotWriter(slots).commit(state, 2)
+        assert [v for v, _ in slots.committed()] == [2, 1]
+    finally:
+        slots.close()
+
