@@ -247,8 +247,9 @@ class Node:
             shards = [self.local.pop(k) for k in gone]
         for s in shards:
             self._close_local(s)
-        if self.cfg.exit_when_empty and not self.local and not self.store.inventory():
-            log.info("nothing attached or held after the drop (--exit-when-empty): exiting")
+        # Only the job's end empties an auto-started daemon: one rank dropped for a new layout re-attaches at once.
+        if self.cfg.exit_when_empty and rank is None and not self.local and not self.store.inventory():
+            log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting")
             self.done.set()
         return n + len(shards)
 

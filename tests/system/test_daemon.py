@@ -162,6 +162,23 @@ def test_idle_daemon_exits_by_itself(daemons):
     assert "idle" in d.log()
 
 
+def test_an_auto_started_daemon_exits_at_the_jobs_drop_not_at_one_ranks(daemons):
+    """A worker whose state changes layout drops its rank and attaches again at once: the daemon a worker
+    started (--exit-when-empty) must not take that for the job's end, which a drop of the whole job is."""
+    a = daemons.start("--exit-when-empty")
+    slots, states = attached_slots(a, "j12", 1)
+    slots.close()
+    with a.client() as c:
+        assert c.drop("j12", 0, 1) == 1
+        time.sleep(1.0)  # the daemon's loop looks every 0.5 s
+        assert a.proc.poll() is None, a.log()
+        slots, _ = attached_slots(a, "j12", 1)  # the rank comes back with its new layout
+        slots.close()
+        assert c.drop("j12") == 1
+    assert a.proc.wait(20) == 0
+    assert "job's drop" in a.log()
+
+
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
