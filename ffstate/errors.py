@@ -14,6 +14,10 @@ class CodecError(FFStateError):
     """
 
 
+class LayoutChanged(CodecError):
+    """A state's layout (its structure, a tensor's dtype or shape) is not the one its buffer was made for."""
+
+
 class ReplicaError(FFStateError):
     """A replica daemon refused or could not serve a request.
 

@@ -74,6 +74,23 @@ def why_not(world: int, cfg: Config) -> str:
             "Config.razor_identical declares such state")
 
 
+def unmatched(state: Any, prefixes: tuple[str, ...]) -> list[str]:
+    """The declared ``prefixes`` that name no entry of ``state`` (a container or a leaf), e.g. a typo."""
+    paths: set[str] = set()
+
+    def walk(obj: Any, path: str) -> None:
+        paths.add(path)
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}" if path else str(i))
+
+    walk(state, "")
+    return [p for p in prefixes if not any(_matches(q, (p,)) for q in paths)]
+
+
 def _matches(path: str, prefixes: tuple[str, ...]) -> bool:
     return any(path == p or path.startswith(p + "/") for p in prefixes)
 

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from ffstate import capture, layout, placement, razor, recovery, shm, wire
+from ffstate import capture, extras, layout, placement, razor, recovery, shm, wire
 from ffstate.commit import SlotWriter
 from ffstate.config import Config
 from ffstate.daemon import launch
-from ffstate.errors import FFStateError, ReplicaError
+from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
 from ffstate.lag import LagWatch
 from ffstate.pacing import PacingSignals
@@ -75,10 +75,11 @@ class Replicated:
     def __enter__(self) -> "Replicated":
         self.job = job = Job(self.cfg)
         self.rank, self.world, self.topology = job.rank, job.world, job.topology
+        groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
+        self._check_state(groups)
         self.daemon = launch.node_daemon(job)
         self.holders = job.daemon_addresses(placement.holder_nodes(job.topology.node, job.topology.num_nodes,
                                                                    self.cfg.replicas))
-        groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
         self.razor = RazorVerifier(job, groups)
         self.pacing = PacingSignals(self.model, self.cfg, job.rank, job.world, bool(self.holders))
         self.lag = LagWatch(job, lambda: self.daemon, self._daemon_lost)
@@ -88,6 +89,17 @@ class Replicated:
             self.restored, self.start_step, self._last, self.lag.replicated = got, got.version, got.version, got.version
             self._restore_report = (got.version, got.steps_lost, got.seconds, got.entry_seconds)
         return self
+
+    def _check_state(self, groups: razor.Groups | None) -> None:
+        """What can be known before training starts, refused now: an extra whose ``state_dict()`` fails, a value
+        the codec cannot hold, a razor declaration that names nothing; each error names the entry's path."""
+        state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
+        layout.describe(state)
+        if groups is not None and self.cfg.razor_identical and (lost := razor.unmatched(state, groups.prefixes)):
+            raise FFStateError(f"Config.razor_identical names {lost}, which match no entry of the state; its entries "
+                               f"are under {sorted({p.split('/')[0] for p in state})} (e.g. model, optim/state)")
+        if self.extra is not None:
+            extras.warn_pitfalls(self.extra, self.rank)
 
     def _load(self, state: dict) -> None:
         capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, state)
@@ -143,7 +155,10 @@ class Replicated:
                 self._attach(state)
             block = self.holders and self.cfg.lag_policy == "block"
             # The daemon reads a slot within milliseconds; seconds without it mean it is overloaded or gone.
-            self._writer.commit(state, step, wait=SLOT_WAIT if block else 0.0)
+            try:
+                self._writer.commit(state, step, wait=SLOT_WAIT if block else 0.0)
+            except LayoutChanged as e:  # an extra whose state changes structure, e.g.: new slots, a full version
+                self._relayout(state, step, e)
             del state
         self._last = step
         self.pacing.on_commit()
@@ -185,6 +200,18 @@ class Replicated:
         if self._slots is not None:
             self._detach()
             self.daemon.drop(self.job.job, self.rank, self.world)
+
+    def _relayout(self, state: dict, step: int, change: LayoutChanged) -> None:
+        """The state's structure changed since the slots were made: new slots for the new layout, and a full
+        version for the holders (the copies of earlier steps stay restorable where they are)."""
+        start = time.perf_counter()
+        self._new_layout()
+        self._attach(state)
+        self._writer.commit(state, step)
+        nbytes = self._slots.manifest.nbytes
+        log.warning("rank %d: %s at step %d: new slots and a full version (%.1f MB) for its holders; %.0f ms",
+                    self.rank, change, step, nbytes / 1e6, (time.perf_counter() - start) * 1e3)
+        self.job.record({"event": "layout-changed", "step": step, "change": str(change), "bytes": nbytes})
 
     def _razor_counters(self, verified: int, mismatches: int) -> None:
         if self._slots is not None:

@@ -13,7 +13,7 @@ import torch
 from ffstate import layout, planes
 from ffstate.codec.backend import _map, _use_kernels, buffer_checksum
 from ffstate.codec.chunks import Snapshot
-from ffstate.errors import CodecError
+from ffstate.errors import CodecError, LayoutChanged
 from ffstate.layout import Manifest
 
 
@@ -44,7 +44,8 @@ def pack_into(state: Any, out: torch.Tensor, manifest: Manifest | None = None, c
     if manifest is not None:
         current, arrays = layout.analyze_known(state, manifest)
         if manifest.layout_id != current.layout_id:
-            raise CodecError(f"the state's layout changed since it was described: {layout.diff_layouts(current, manifest)}")
+            raise LayoutChanged(f"the state's layout changed since it was described: "
+                                f"{layout.diff_layouts(current, manifest)}")
     else:
         current, arrays = layout.analyze(state)
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous():
