@@ -56,15 +56,16 @@ def unavailable() -> str:
 def torchrun_two_nodes(link: Link, worker: list[str], env: dict, nproc: int = 2, timeout: float = 900,
                       restarts: int = 3) -> list[subprocess.CompletedProcess]:
     """``worker`` (``-m module args...``) as a 2-node torchrun job, one agent per namespace (c10d rendezvous
-    hosted by node 0); each node's env adds its address as ``FFSTATE_DAEMON_HOST`` and its link device
-    for gloo. Returns both agents' results (stdout and stderr together)."""
+    hosted by node 0, ``--local-addr`` its address), each node's gloo told its link device
+    (``GLOO_SOCKET_IFNAME``), as on a host with several interfaces; ffstate finds each node's daemon
+    address by itself. Returns both agents' results (stdout and stderr together)."""
     import random
     import sys
 
     port = random.randint(20000, 60000)
     procs = []
     for node in range(2):
-        node_env = {**env, "FFSTATE_DAEMON_HOST": link.addresses[node], "GLOO_SOCKET_IFNAME": link.devices[node]}
+        node_env = {**env, "GLOO_SOCKET_IFNAME": link.devices[node]}
         node_env.pop("FFSTATE_SIMULATED_NODES", None)
         args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -36,13 +36,18 @@ class Config:
         codec_threads: threads of the CPU codec path; 0 means the number of cores, at most 8.
         job_id: the job's id, which names its replicas; default: torchrun's run id
             (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else ``ffstate-job``.
-        token: the job's secret, carried by every RPC; default ``$FFSTATE_TOKEN``, else a per-user
-            secret in ``~/.config/ffstate/token`` (enough on one machine; set it for multi-node jobs).
+        token: the job's secret, carried by every RPC (``FFSTATE_TOKEN``); default: read from ``token_file``, else
+            agreed by the job's ranks through its torch.distributed store (the rendezvous is the job's trust
+            boundary) and kept in each node's run folder so that restarts find it; a single process without a
+            store uses a per-user secret in ``~/.config/ffstate/token``.
+        token_file: a file holding the token (``FFSTATE_TOKEN_FILE``), as ``ffstate serve --token-file`` takes.
         node_id: this node's name; default ``node<GROUP_RANK>`` from torchrun (one per machine).
         simulated_nodes: > 0 splits the ranks of one machine into this many simulated nodes, each
             with its own daemon (for the demo and tests; ranks go to nodes in contiguous blocks).
         replicas: k, how many other nodes hold each rank's replica (ring placement over nodes).
-        daemon_host: the address this node's daemon listens on and is reached at.
+        daemon_host: the address this node's daemon listens on and is reached at by the other nodes; "" finds
+            it as the job's own traffic does (``placement.local_address``: the collectives' interface, else the
+            route to the rendezvous host, else the host name; 127.0.0.1 for simulated nodes).
         base_port: node n's daemon listens on ``base_port + n``.
         start_daemon: start the node's daemon when none answers (it outlives worker restarts and
             exits when the job is over or after ``daemon_idle_exit`` seconds without a request or a commit).
@@ -86,10 +91,11 @@ class Config:
     codec_threads: int = 0
     job_id: str = ""
     token: str = ""
+    token_file: str = ""
     node_id: str = ""
     simulated_nodes: int = 0
     replicas: int = 1
-    daemon_host: str = "127.0.0.1"
+    daemon_host: str = ""
     base_port: int = 7700
     start_daemon: bool = True
     daemon_memory_limit: str = ""

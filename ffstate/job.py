@@ -47,12 +47,12 @@ class Job:
             self.rank, self.world, self.store = 0, 1, None
         warn_about_torchrun_restarts()
         self.job = job_id(cfg)
-        self.token = cfg.token or default_token()
         self.topology = placement.topology(self.rank, self.world, cfg)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.prefix = f"ffstate/{self.job}/{self._generation()}"
         self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
         self.run_dir.mkdir(exist_ok=True)
+        self.token = self._token()
         self.global_committed = 0  # min over ranks of the version all their holders have, as last seen
         self._clients: dict[str, Client] = {}
 
@@ -70,6 +70,32 @@ class Job:
             nonce = nonce.cuda()
         dist.broadcast(nonce, 0)
         return f"{int(nonce.item()):x}"
+
+    def _token(self) -> str:
+        """The job's token: the one the user set (``Config.token``, ``FFSTATE_TOKEN``, ``Config.token_file``), else
+        one the ranks agree on through the store: the token some node kept from an earlier attempt (its daemons
+        hold it; the lowest rank's counts), else a new one of rank 0's. Each node keeps it in its run folder."""
+        if self.cfg.token:
+            return self.cfg.token
+        if self.cfg.token_file:
+            token = Path(self.cfg.token_file).read_text().strip()
+            if not token:
+                raise FFStateError(f"{self.cfg.token_file} (Config.token_file) is empty")
+            return token
+        if self.store is None:
+            return default_token()
+        kept_file = self.run_dir / "token"
+        kept = kept_file.read_text().strip() if kept_file.exists() else ""
+        told = self.exchange("token", {"kept": kept, "new": secrets.token_hex(16) if self.rank == 0 else ""},
+                             range(self.world), self.cfg.connect_timeout)
+        token = next((t["kept"] for t in told if t["kept"]), told[0]["new"])
+        if token != kept:
+            tmp = kept_file.with_name(f"token.{self.rank}.tmp")
+            fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            os.replace(tmp, kept_file)  # atomic: the node's ranks write the same token
+        return token
 
     def key(self, *parts: Any) -> str:
         """A store key of this attempt, e.g. ``key("razor", step, rank)``."""

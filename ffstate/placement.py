@@ -8,11 +8,17 @@ every rank. Node identity comes from torchrun (``GROUP_RANK``, ``LOCAL_WORLD_SIZ
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
+import socket
+import struct
 from dataclasses import dataclass
 
 from ffstate.config import Config
 from ffstate.errors import FFStateError
+
+log = logging.getLogger("ffstate.placement")
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,63 @@ def holder_nodes(node: int, num_nodes: int, k: int) -> list[int]:
 
 
 def daemon_address(node: int, cfg: Config) -> str:
-    """Where node ``node``'s daemon listens: simulated nodes share a host and take one port each."""
+    """Where node ``node``'s daemon listens, seen from that node: simulated nodes share a host and take one port
+    each; a real node's host is ``local_address``."""
     port = cfg.base_port + (node if cfg.simulated_nodes else 0)
-    return f"{cfg.daemon_host}:{port}"
+    return f"{local_address(cfg)}:{port}"
+
+
+def local_address(cfg: Config) -> str:
+    """The address of this node that the other nodes reach, found the way the job's own traffic finds it:
+    ``Config.daemon_host`` when set; 127.0.0.1 for simulated nodes (one machine); else the address of the
+    interface the collectives are told to use (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``); else that of
+    the route to the rendezvous host (``MASTER_ADDR``, as torchrun sets it); else the host name's address
+    that is not a loopback one; else 127.0.0.1 (one node)."""
+    if cfg.daemon_host:
+        return cfg.daemon_host
+    if cfg.simulated_nodes:
+        return "127.0.0.1"
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        name = os.environ.get(var, "").split(",")[0].lstrip("=")
+        if name and not name.startswith("^") and (addr := interface_address(name)):
+            return addr
+    master = os.environ.get("MASTER_ADDR")
+    if master and (addr := route_address(master, int(os.environ.get("MASTER_PORT", "29500") or 29500))):
+        if not is_loopback(addr):
+            return addr
+    try:
+        for *_, sockaddr in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            if not is_loopback(sockaddr[0]):
+                return sockaddr[0]
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (Linux), or None."""
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:  # SIOCGIFADDR
+            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def route_address(host: str, port: int) -> str | None:
+    """This host's address on the route to ``host`` (a UDP socket's connect sends nothing), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False

@@ -78,8 +78,9 @@ class Replicated:
         groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
         self._check_state(groups)
         self.daemon = launch.node_daemon(job)
-        self.holders = job.daemon_addresses(placement.holder_nodes(job.topology.node, job.topology.num_nodes,
-                                                                   self.cfg.replicas))
+        holder_nodes = placement.holder_nodes(job.topology.node, job.topology.num_nodes, self.cfg.replicas)
+        self.holders = job.daemon_addresses(holder_nodes)
+        launch.check_holders(job, holder_nodes, self.holders)
         self.razor = RazorVerifier(job, groups)
         self.pacing = PacingSignals(self.model, self.cfg, job.rank, job.world, bool(self.holders))
         self.lag = LagWatch(job, lambda: self.daemon, self._daemon_lost)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ffstate import placement
 from ffstate.client import Client
 from ffstate.config import Config, DaemonConfig, parse_bytes
-from ffstate.errors import ReplicaError, ReplicaUnavailable
+from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.job import Job
 
 log = logging.getLogger("ffstate.launch")
@@ -29,6 +29,15 @@ def node_daemon(job: Job, publish: bool = True) -> Client:
     """
     topo, cfg = job.topology, job.cfg
     address = placement.daemon_address(topo.node, cfg)
+    host = address.rsplit(":", 1)[0]
+    if topo.num_nodes > 1 and not cfg.simulated_nodes and placement.is_loopback(host):
+        how = ("Config.daemon_host (FFSTATE_DAEMON_HOST) says so" if cfg.daemon_host else
+               "this host offers nothing else: no GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME interface, no route to "
+               "MASTER_ADDR but loopback, a host name that resolves to loopback")
+        raise FFStateError(f"rank {job.rank}: node {topo.node}'s daemon would be published at {address}, a loopback "
+                           f"address the other {topo.num_nodes - 1} node(s) cannot reach ({how}); its replicas would "
+                           "never leave their nodes. Set FFSTATE_DAEMON_HOST to this node's address on the network "
+                           "the training uses, or GLOO_SOCKET_IFNAME to that interface")
     client = job.client(address)
     if topo.first_on_node and not answers(client) and cfg.start_daemon:
         start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
@@ -54,6 +63,26 @@ def node_daemon(job: Job, publish: bool = True) -> Client:
     if publish:
         job.publish_daemon(topo.node, address)
     return client
+
+
+def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
+    """Refuses holders whose published address reaches this node's own daemon (an address that works only
+    locally, two nodes publishing one address): replicas sent there would never leave this node.
+
+    Raises:
+        FFStateError: saying what was published for which node, and what to set.
+    """
+    for node, address in zip(nodes, addresses):
+        try:
+            answer = job.client(address).inventory(job.job).node_id
+        except ReplicaError:  # down or starting: the replicator retries it, as after any failure
+            continue
+        if answer == job.topology.node_id:
+            raise FFStateError(
+                f"rank {job.rank}: node {node}'s daemon was published at {address}, but the daemon answering there is "
+                f"this node's own ({answer}): replicas sent there would never leave this node. Set "
+                "FFSTATE_DAEMON_HOST on each node to an address of it that the other nodes reach (or "
+                "GLOO_SOCKET_IFNAME to that interface)")
 
 
 def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: Path) -> DaemonConfig:

@@ -179,6 +179,24 @@ def test_an_auto_started_daemon_exits_at_the_jobs_drop_not_at_one_ranks(daemons)
     assert "job's drop" in a.log()
 
 
+def test_a_holder_address_that_reaches_this_nodes_own_daemon_is_refused(daemons):
+    """What a node published for another node must not lead back to this node's daemon (an address that only
+    works locally, two nodes publishing one address): the rank refuses at entry, naming both."""
+    from types import SimpleNamespace
+
+    from ffstate.daemon.launch import check_holders
+    from ffstate.errors import FFStateError
+
+    mine, other = daemons.start(node_id="nodeA"), daemons.start(node_id="nodeB")
+    with mine.client() as a, other.client() as b:
+        clients = {mine.address: a, other.address: b}
+        job = SimpleNamespace(job="j13", rank=2, topology=SimpleNamespace(node_id="nodeA"), client=clients.get)
+        check_holders(job, [1], [other.address])  # the other node's daemon: fine
+        with pytest.raises(FFStateError, match=f"node 1's daemon was published at {mine.address}, but the daemon "
+                                               "answering there is this node's own \\(nodeA\\)"):
+            check_holders(job, [1], [mine.address])
+
+
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
