@@ -32,3 +32,59 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
                           str(tmp_path / "train.py")], capture_output=True, text=True, timeout=240, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done at step 4, resumed from step 0" in out.stdout
+
+
+KILL_WRAPPER = '''
+import os, runpy, signal, sys
+import ffstate.trainer
+
+KILL_AT, MARKER = int(os.environ.get("KILL_AT", "0")), os.environ.get("KILL_MARKER", "")
+real = ffstate.trainer.Replicated.commit
+
+
+def commit(self, step):
+    real(self, step)
+    if step == KILL_AT and self.rank == 1 and not os.path.exists(MARKER):
+        open(MARKER, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+ffstate.trainer.Replicated.commit = commit
+runpy.run_path(sys.argv[1], run_name="__main__")
+'''
+
+
+def test_readme_bit_exact_resume_example_resumes_bit_exact_at_an_epochs_end(tmp_path):
+    """The README's loop, as written, under torchrun (2 ranks): rank 1 SIGKILLed right after the commit that
+    ends an epoch (16 batches a rank), and the final parameters equal a run without the failure, bit for bit."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from ffstate.bench._report import free_ports
+    from ffstate.testing.bitwise import compare_runs
+
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    section = text[text.index("### Bit-exact resume"):]
+    (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    (tmp_path / "kill.py").write_text(KILL_WRAPPER)
+    runs = {}
+    for name, kill in (("reference", 0), ("failing", 16)):
+        out = tmp_path / name
+        out.mkdir()
+        env = {**os.environ, "STEPS": "20", "KILL_AT": str(kill), "KILL_MARKER": str(out / "killed"),
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2", "OMP_NUM_THREADS": "1",
+               "FFSTATE_JOB_ID": f"rx{uuid.uuid4().hex[:6]}", "FFSTATE_BASE_PORT": str(free_ports(2)),
+               "TMPDIR": str(out)}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "--max-restarts", "1", str(tmp_path / "kill.py"), str(tmp_path / "train.py")],
+                              cwd=out, capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = out
+    assert (runs["failing"] / "killed").exists() and not (runs["reference"] / "killed").exists()
+    events = [json.loads(line) for f in runs["failing"].glob("ffstate-*/events.jsonl") for line in f.read_text().splitlines()]
+    assert sorted((e["rank"], e["version"], e["steps_lost"]) for e in events if e["event"] == "restored") == [
+        (0, 16, 0), (1, 16, 0)]
+    assert compare_runs(runs["failing"], runs["reference"], 2) == []
