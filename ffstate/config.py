@@ -215,6 +215,8 @@ class DaemonConfig:
             raise ValueError(f"slot_poll (--slot-poll) takes seconds in (0, 3600], got {self.slot_poll}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key (--tls-cert, --tls-key) go together")
+        if self.tls_client_ca and not self.tls_cert:  # it would serve plaintext, asking no client for anything
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
         object.__setattr__(self, "peers", tuple(self.peers))
 
     @classmethod

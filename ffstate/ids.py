@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 from ffstate.errors import ReplicaError, SlotError
 
-ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+ID_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def check_id(value: str, what: str) -> str:
-    if not ID_RE.match(value):
-        raise SlotError(f"{what} {value!r} is not valid: use 1-128 letters, digits, '.', '_' or '-'")
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
+        raise SlotError(f"{what} {str(value)[:64]!r} is not valid: use 1-128 letters, digits, '.', '_' or '-'")
     return value
 
 

@@ -99,6 +99,7 @@ class NodeReport:
     collisions: int = 0  # of those, started with a replication chunk on the wire
     overlap_seconds: float = 0.0  # seconds chunks were on the wire during them
     link_share: float = field(default=1.0, metadata=LOCAL)  # share of each link replication may use
+    refusals: dict[str, int] = field(default_factory=dict, metadata=LOCAL)  # requests refused, by gRPC status
 
 
 @dataclass(frozen=True)

@@ -139,18 +139,35 @@ def _parse_header(chunks: Sequence[Chunk]) -> dict:
         raise CodecError(f"header chunk of {len(chunks[0].payload)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = json.loads(bytes(chunks[0].payload))
-        kind = header["kind"]
-        fmt = header["format"]
-        int(header["checksum"], 16)
-        nbytes, chunk_bytes = int(header["nbytes"]), int(header["chunk_bytes"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise CodecError(f"malformed header chunk: {e!r}") from e
+    except (ValueError, RecursionError) as e:  # RecursionError: nesting deeper than the parser's stack
+        raise CodecError(f"malformed header chunk: not JSON ({type(e).__name__})") from None
+    if not isinstance(header, dict):
+        raise CodecError(f"malformed header chunk: a JSON {type(header).__name__}, not an object")
+    kind, fmt = header.get("kind"), header.get("format")
     if fmt != FORMAT:
-        raise CodecError(f"format {fmt} is not supported by this ffstate (format {FORMAT})")
-    if kind not in ("full", "delta") or ("manifest" if kind == "full" else "scalars") not in header:
-        raise CodecError(f"malformed header: kind {kind!r}")
-    if kind == "delta" and "base_checksum" not in header:
-        raise CodecError("malformed header: a delta without its base checksum")
-    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES or nbytes < 0:
-        raise CodecError(f"malformed header: chunk_bytes {chunk_bytes}, nbytes {nbytes}")
+        raise CodecError(f"format {str(fmt)[:20]} is not supported by this ffstate (format {FORMAT})")
+    if kind not in ("full", "delta"):
+        raise CodecError(f"malformed header: kind {str(kind)[:20]!r}")
+    fields = {"checksum": (_hex64, "the version's checksum"), "nbytes": (_count, "its size"),
+              "chunk_bytes": (_count, "its segment size"), "layout_id": (_short_str, "its layout id"),
+              **({"manifest": (dict, "a full version's manifest")} if kind == "full" else
+                 {"scalars": (list, "a delta's scalars"), "base_checksum": (_hex64, "a delta's base checksum")})}
+    for name, (check, what) in fields.items():
+        value = header.get(name)
+        if not (isinstance(value, check) if isinstance(check, type) else check(value)):
+            raise CodecError(f"malformed header: {what} ({name!r}) is {'missing' if value is None else 'invalid'}")
+    if not MIN_CHUNK_BYTES <= header["chunk_bytes"] <= MAX_CHUNK_BYTES:
+        raise CodecError(f"malformed header: chunk_bytes {header['chunk_bytes']} is out of range")
     return header
+
+
+def _hex64(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= 16 and all(c in "0123456789abcdefABCDEF" for c in value)
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _short_str(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= 128

@@ -109,6 +109,11 @@ class ReportCollector(Collector):
         seen.add_metric([node], rep.collectives)
         yield seen
 
+        refused = CounterMetricFamily("ffstate_refusals", "Requests refused, by the gRPC status answered",
+                                      labels=["node", "status"])
+        for status, n in sorted(rep.refusals.items()):
+            refused.add_metric([node, status], n)
+        yield refused
         budget = GaugeMetricFamily("ffstate_memory_bytes", "Memory used and budget", labels=["node", "kind"])
         budget.add_metric([node, "used"], rep.bytes_used)
         budget.add_metric([node, "budget"], rep.bytes_budget)

@@ -8,6 +8,7 @@ says what was wrong; the servicer maps it to a gRPC status in one place.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -66,6 +67,7 @@ class Node:
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()
+        self.refusals: collections.Counter[str] = collections.Counter()  # by gRPC status name
         self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
@@ -120,6 +122,10 @@ class Node:
 
     def touch(self) -> None:
         self.last_activity = time.monotonic()
+
+    def refused(self, status: str) -> None:
+        """Counts a refused request (the servicer's), for the metrics."""
+        self.refusals[status] += 1
 
     def idle_seconds(self) -> float:
         """Seconds since the last request or the last commit into an attached rank's slots (a worker with no
@@ -288,7 +294,7 @@ class Node:
         seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
                                             "overlap_seconds": timeline.overlap}
         return NodeReport(self.cfg.node_id, shards, self.store.used, self.store.budget, links, pacer.name, **seen,
-                          link_share=share)
+                          link_share=share, refusals=dict(self.refusals))
 
     def close(self) -> None:
         with self._lock:

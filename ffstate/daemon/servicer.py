@@ -4,7 +4,9 @@ checks excepted). ``start_server`` binds it, plain or TLS (DESIGN.md I6)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
+import time
 from concurrent import futures
 from typing import Any, Callable, Iterator
 
@@ -31,6 +33,8 @@ def status_of(e: Exception) -> grpc.StatusCode:
 
 
 _REFUSED = (ReplicaError, CodecError, SlotError)
+MAX_DETAIL = 1024  # characters of a refusal's message: ids and sizes come from the request
+LOG_EVERY = 1.0  # seconds between logged refusals of one method and status (the rest are counted)
 
 
 def _key(msg: pb.ShardKey) -> ShardKey:
@@ -40,8 +44,9 @@ def _key(msg: pb.ShardKey) -> ShardKey:
 class TokenInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED, before any handler runs, for a call without the job's token."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, on_refuse: Callable[[str], None] = lambda status: None):
         self._token = token
+        self._on_refuse = on_refuse
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -54,9 +59,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         if details.method.startswith("/grpc.health.v1."):
             return continuation(details)
         meta = dict(details.invocation_metadata or ())
-        if meta.get(wire.TOKEN_KEY) == self._token:
+        if hmac.compare_digest(str(meta.get(wire.TOKEN_KEY, "")).encode(), self._token.encode()):
             return continuation(details)
         log.warning("refused %s: missing or wrong token", details.method)
+        self._on_refuse("UNAUTHENTICATED")
         method = wire.METHODS.get(details.method.rsplit("/", 1)[-1])
         return self._deny[method.kind if method else "unary_unary"]
 
@@ -66,28 +72,44 @@ class Servicer:
 
     def __init__(self, node: Node):
         self.node = node
+        self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (method, status) -> (last logged, since)
 
-    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
+    def _guard(self, method: str, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
         self.node.touch()
         try:
             return fn()
         except _REFUSED as e:
-            context.abort(status_of(e), str(e))
+            self._refuse(context, method, status_of(e), str(e))
+
+    def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
+        """Counts the refusal, logs it (one line per method and status a second, with how many were not), and
+        answers with its status and a message of bounded length."""
+        message = message if len(message) <= MAX_DETAIL else message[: MAX_DETAIL - 15] + " ... (truncated)"
+        self.node.refused(code.name)
+        now = time.monotonic()
+        last, quiet = self._logged.get((method, code.name), (0.0, 0))
+        if now - last >= LOG_EVERY:
+            more = f" (and {quiet} more since)" if quiet else ""
+            log.warning("refused %s: %s: %s%s", method or "a call", code.name, message[:300], more)
+            self._logged[(method, code.name)] = (now, 0)
+        else:
+            self._logged[(method, code.name)] = (last, quiet + 1)
+        context.abort(code, message)
 
     # ------------------------------------------------------------ local workers
 
     def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
         razor = wire.from_proto(request.razor, RazorReport) if request.HasField("razor") else None
         discard = request.discard_after if request.HasField("discard_after") else None
-        return self._guard(context, lambda: pb.AttachResponse(**vars(self.node.attach(
+        return self._guard("Attach", context, lambda: pb.AttachResponse(**vars(self.node.attach(
             _key(request.shard), request.manifest_json, request.scalars_capacity, list(request.holders) or None,
             razor, discard))))
 
     def Lookup(self, request: pb.ShardKey, context: grpc.ServicerContext) -> pb.AttachResponse:
-        return self._guard(context, lambda: pb.AttachResponse(**vars(self.node.lookup(_key(request)))))
+        return self._guard("Lookup", context, lambda: pb.AttachResponse(**vars(self.node.lookup(_key(request)))))
 
     def NotifyCommit(self, request: pb.CommitNotice, context: grpc.ServicerContext) -> pb.CommitNoticeAck:
-        return self._guard(context, lambda: self.node.notify_commit(_key(request.shard)) or pb.CommitNoticeAck())
+        return self._guard("NotifyCommit", context, lambda: self.node.notify_commit(_key(request.shard)) or pb.CommitNoticeAck())
 
     # ------------------------------------------------------------ replicas
 
@@ -102,17 +124,18 @@ class Servicer:
             _, version, nbytes = self.node.stage(chunks(), context.peer())
             return pb.PushResult(staged_version=version, bytes_received=nbytes)
 
-        return self._guard(context, run)
+        return self._guard("Push", context, run)
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResult:
         def run() -> pb.CommitResult:
             version, checksum = self.node.commit(_key(request.shard), request.version)
             return pb.CommitResult(version=version, checksum=checksum)
 
-        return self._guard(context, run)
+        return self._guard("Commit", context, run)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        version, packed, reserved = self._guard(context, lambda: self.node.fetch(_key(request.shard), request.version))
+        version, packed, reserved = self._guard("Fetch", context,
+                                                lambda: self.node.fetch(_key(request.shard), request.version))
         try:
             for c in packed.chunks[request.first_chunk :: request.chunk_step or 1]:
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
@@ -123,18 +146,18 @@ class Servicer:
             self.node.release(reserved)
 
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
-        return self._guard(context, lambda: wire.to_proto(self.node.report(request.job_id)))
+        return self._guard("Inventory", context, lambda: wire.to_proto(self.node.report(request.job_id)))
 
     def StepBack(self, request: pb.StepBackRequest, context: grpc.ServicerContext) -> pb.StepBackResult:
         def run() -> pb.StepBackResult:
             version, checksum = self.node.step_back(_key(request.shard), request.version)
             return pb.StepBackResult(version=version, checksum=checksum)
 
-        return self._guard(context, run)
+        return self._guard("StepBack", context, run)
 
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResult:
         rank = None if request.shard.rank < 0 else request.shard.rank
-        return self._guard(context, lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank)))
+        return self._guard("Drop", context, lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank)))
 
     # ------------------------------------------------------------ wiring
 
@@ -159,7 +182,7 @@ def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
     opts = [("grpc.max_receive_message_length", cfg.max_chunk_bytes + (1 << 20)),
             ("grpc.max_send_message_length", wire.DEFAULT_MAX_MESSAGE), ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ffstate-rpc"),
-                         interceptors=[TokenInterceptor(cfg.token)], options=opts)
+                         interceptors=[TokenInterceptor(cfg.token, node.refused)], options=opts)
     server.add_generic_rpc_handlers([Servicer(node).handlers()])
     health_servicer = health.HealthServicer()
     health_servicer.set(wire.SERVICE, health_pb2.HealthCheckResponse.SERVING)

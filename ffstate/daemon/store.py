@@ -234,6 +234,9 @@ class Store:
             self.release(staging.reserved)
             raise ReplicaError(f"version {version} of {key} failed verification and was discarded: {e}",
                                "DATA_LOSS") from None
+        except BaseException:  # refused (the base moved on) or a bug: the staged bytes are released either way
+            self.release(staging.reserved)
+            raise
 
     def _commit_full(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
         snap = codec.decode_snapshot(staging.packed, max_nbytes=staging.reserved)

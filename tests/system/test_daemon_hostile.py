@@ -1,0 +1,133 @@
+"""A daemon under hostile input (issue: a daemon that holds for a month of failures): malformed headers get
+INVALID_ARGUMENT, never UNKNOWN; a Commit that fails gives back the memory its push reserved; ids are matched
+whole; TLS flags that cannot work together are refused at start; refusals are counted by status, logged, and
+their messages bounded. Against real `ffstate serve` processes on loopback."""
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from daemons import TOKEN, held_version
+from helpers import train_states
+
+from ffstate import codec
+from ffstate._proto import replica_pb2 as pb
+from ffstate._proto import replica_pb2_grpc as pb_grpc
+from ffstate.bench._report import free_ports
+from ffstate.codec import Chunk
+
+JOB, CHUNK = "hostile", 64 << 10
+META = (("ffstate-token", TOKEN),)
+
+
+@pytest.fixture(scope="module")
+def states():
+    return list(train_states(3))
+
+
+@pytest.fixture
+def held(daemons, states):
+    """A daemon holding version 1 of rank 0 (world 1), a raw stub to it, and its memory in use."""
+    port = free_ports(1)
+    d = daemons.start("--metrics-port", str(port))
+    with d.client() as c:
+        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
+        used = c.inventory().bytes_used
+    channel = grpc.insecure_channel(d.address)
+    yield d, pb_grpc.ReplicaStub(channel), used, port
+    channel.close()
+
+
+def key(job=JOB):
+    return pb.ShardKey(job_id=job, rank=0, world_size=1)
+
+
+def push(stub, chunks, version=2, base=1, job=JOB):
+    msgs = [pb.PushChunk(shard=key(job), version=version, base_version=base, chunk_index=c.index,
+                         chunk_count=c.count, checksum=c.checksum, payload=bytes(c.payload)) for c in chunks]
+    return stub.Push(iter(msgs), metadata=META, timeout=30)
+
+
+def with_header(packed, edit):
+    """The version's chunks with its header chunk rewritten by ``edit(header) -> bytes`` (checksummed anew)."""
+    head = json.loads(bytes(packed.chunks[0].payload))
+    return [Chunk.of(0, packed.chunks[0].count, edit(head))] + packed.chunks[1:]
+
+
+def used(d):
+    with d.client() as c:
+        return c.inventory().bytes_used
+
+
+@pytest.mark.parametrize("case, edit", [
+    ("delta header without layout_id", lambda h: json.dumps({k: v for k, v in h.items() if k != "layout_id"}).encode()),
+    ("base_checksum that is not hex", lambda h: json.dumps({**h, "base_checksum": "not-hex"}).encode()),
+    ("Infinity as a size", lambda h: json.dumps({**h, "nbytes": float("inf")}).encode()),
+    ("a 100k-deep JSON array", lambda h: b"[" * 100_000 + b"]" * 100_000),
+    ("scalars that are not a list", lambda h: json.dumps({**h, "scalars": {"a": 1}}).encode()),
+])
+def test_a_malformed_header_is_invalid_argument_and_costs_nothing(held, states, case, edit):
+    d, stub, before, _ = held
+    delta = codec.encode(states[1], states[0], chunk_bytes=CHUNK)
+    with pytest.raises(grpc.RpcError) as e:
+        push(stub, with_header(delta, edit))
+        stub.Commit(pb.CommitRequest(shard=key(), version=2), metadata=META, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, e.value.details())
+    assert "header" in e.value.details()
+    assert used(d) == before
+    with d.client() as c:
+        assert held_version(c, JOB, 0) == 1
+
+
+def test_a_commit_that_fails_gives_its_memory_back(held, states):
+    """A delta staged on version 2, then the replica stepped back to 1 before its Commit (what recovery does):
+    the Commit is refused (the base moved on) and the staged bytes are released, not held until a restart."""
+    d, stub, before, _ = held
+    with d.client() as c:
+        c.push_and_commit(JOB, 0, 1, 2, codec.encode(states[1], states[0], chunk_bytes=CHUNK), base_version=1)
+        at_2 = c.inventory().bytes_used
+        c.push(JOB, 0, 1, 3, codec.encode(states[2], states[1], chunk_bytes=CHUNK), base_version=2)
+        assert c.inventory().bytes_used > at_2
+        c.step_back(JOB, 0, 1, 1)
+        with pytest.raises(Exception, match="FAILED_PRECONDITION.*moved on"):
+            c.commit(JOB, 0, 1, 3)
+        assert c.inventory().bytes_used == before  # version 1 held, nothing staged, no delta kept
+        assert held_version(c, JOB, 0) == 1
+
+
+def test_ids_are_matched_whole(held, states):
+    d, stub, before, _ = held
+    with pytest.raises(grpc.RpcError) as e:
+        push(stub, codec.encode(states[0], chunk_bytes=CHUNK).chunks, version=1, base=0, job="job\n")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "job id" in e.value.details()
+    assert used(d) == before
+
+
+def test_refusals_are_counted_by_status_logged_and_bounded(held, states):
+    d, stub, _, port = held
+    long_job = "x" * 5000
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.StepBack(pb.StepBackRequest(shard=key(long_job), version=1), metadata=META, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(e.value.details()) <= 1024
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Commit(pb.CommitRequest(shard=key(), version=9), metadata=META, timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    counts = {line.split("status=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith("ffstate_refusals_total{")}
+    assert counts.get("INVALID_ARGUMENT") == 3 and counts.get("FAILED_PRECONDITION") == 1, counts
+    log = d.log()
+    assert "refused StepBack: INVALID_ARGUMENT" in log and "refused Commit: FAILED_PRECONDITION" in log
+    assert "x" * 2000 not in log
+
+
+def test_tls_flags_that_cannot_work_together_are_refused_at_start(tmp_path):
+    (tmp_path / "token").write_text(TOKEN)
+    (tmp_path / "ca.pem").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--token-file", str(tmp_path / "token"),
+                           "--tls-client-ca", str(tmp_path / "ca.pem")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "--tls-client-ca needs --tls-cert and --tls-key" in proc.stderr
