@@ -12,7 +12,7 @@ import torch
 
 from ffstate import layout, planes
 from ffstate.codec.backend import _pool, buffer_checksum
-from ffstate.codec.chunks import Chunk, Snapshot, _parse_header, _verify_chunk, segments
+from ffstate.codec.chunks import Chunk, Snapshot, _parse_header, _verify_chunk, segment_count, segments
 from ffstate.codec.pack import unpack_verified
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
@@ -76,11 +76,12 @@ class Decoder:
         manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
         if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
             raise CodecError("the header's layout id or size does not match its manifest")
-        self._segments = segments(manifest, header["chunk_bytes"])
-        if head.count - 1 != len(self._segments):
-            raise CodecError(f"version has {head.count - 1} segment chunks, its manifest needs {len(self._segments)}")
         if self._max_nbytes is not None and manifest.nbytes > self._max_nbytes:
             raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {self._max_nbytes} allowed")
+        need = segment_count(manifest, header["chunk_bytes"])  # before a list of that many segments is built
+        if head.count - 1 != need:
+            raise CodecError(f"version has {head.count - 1} segment chunks, its manifest needs {need}")
+        self._segments = segments(manifest, header["chunk_bytes"])
         self._manifest, self._count = manifest, head.count
         self._out = layout.alloc_buffer(manifest)
         self.header = header

@@ -75,9 +75,9 @@ def decode_snapshot(
     header = packed.header
     if header["kind"] == "full":
         manifest = Manifest.from_json(json.dumps(header["manifest"]).encode())
-        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if max_nbytes is not None and manifest.nbytes > max_nbytes:
             raise CodecError(f"version needs {manifest.nbytes} bytes, more than the {max_nbytes} allowed")
+        _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if inplace:
             raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
         out = layout.alloc_buffer(manifest, device=device)

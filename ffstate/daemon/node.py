@@ -32,7 +32,9 @@ from ffstate.scheduler import Naive, Scheduler, merge_intervals, project
 
 log = logging.getLogger("ffstate.daemon")
 
-MAX_MANIFEST_BYTES = 64 << 20
+# A manifest's JSON (7,700 tensors take about 1 MB); within the servicer's message cap, so that this is the
+# limit a client meets, with its message, rather than gRPC's.
+MAX_MANIFEST_BYTES = 16 << 20
 _GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while we looked
 
 

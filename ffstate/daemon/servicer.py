@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
 from ffstate.config import DaemonConfig
-from ffstate.daemon.node import Node
+from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
 from ffstate.daemon.store import IncomingChunk
 from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
 from ffstate.ids import ShardKey
@@ -179,7 +179,7 @@ def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
     """
     # No SO_REUSEPORT (gRPC's default): a second daemon on a port in use would share it, the kernel spreading
     # RPCs over both; it must fail instead.
-    opts = [("grpc.max_receive_message_length", cfg.max_chunk_bytes + (1 << 20)),
+    opts = [("grpc.max_receive_message_length", max(cfg.max_chunk_bytes, MAX_MANIFEST_BYTES) + (1 << 20)),
             ("grpc.max_send_message_length", wire.DEFAULT_MAX_MESSAGE), ("grpc.so_reuseport", 0)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ffstate-rpc"),
                          interceptors=[TokenInterceptor(cfg.token, node.refused)], options=opts)

@@ -131,3 +131,61 @@ def test_tls_flags_that_cannot_work_together_are_refused_at_start(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--token-file", str(tmp_path / "token"),
                            "--tls-client-ca", str(tmp_path / "ca.pem")], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "--tls-client-ca needs --tls-cert and --tls-key" in proc.stderr
+
+
+def peak_rss_kib(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), KiB."""
+    return int(next(line for line in open(f"/proc/{pid}/status") if line.startswith("VmHWM")).split()[1])
+
+
+def test_refusing_costs_what_was_sent_not_what_was_claimed(held):
+    """A push of a few hundred bytes whose manifest claims a 4 GiB tensor: its Commit is refused without building
+    anything in proportion to the claim (the chunk count is checked by arithmetic), and the memory comes back."""
+    d, stub, before, _ = held
+    big = {"w": __import__("torch").zeros(1)}
+    packed = codec.encode(big, chunk_bytes=4 << 10)
+    head = json.loads(bytes(packed.chunks[0].payload))
+    head["manifest"]["tensors"][0][2] = [1 << 30]  # float32: 4 GiB, in 4 KiB segments
+    head["nbytes"] = 4 << 30
+    chunks = [Chunk.of(0, 2, json.dumps(head).encode()), Chunk.of(1, 2, bytes(packed.chunks[1].payload))]
+    peak = peak_rss_kib(d.proc.pid)
+    push(stub, chunks, version=5, base=0, job="claim")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Commit(pb.CommitRequest(shard=key("claim"), version=5), metadata=META, timeout=30)
+    assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS), e.value.details()
+    assert "segment chunks" in e.value.details()
+    assert peak_rss_kib(d.proc.pid) - peak < 20 << 10  # KiB: no list of a million segments (that cost 105 MB)
+    assert used(d) == before
+
+
+def test_per_chunk_bookkeeping_counts_against_the_budget(daemons, states):
+    """Empty chunks cost the daemon about 1 KiB each beside their payload: counted, a push of 200,000 of them
+    meets the budget (RESOURCE_EXHAUSTED) instead of growing the daemon past it, and gives everything back."""
+    d = daemons.start("--memory-limit", "16M")
+    with d.client() as c:
+        before = c.inventory().bytes_used
+    channel = grpc.insecure_channel(d.address)
+    stub = pb_grpc.ReplicaStub(channel)
+    head = Chunk.of(0, 200_000, json.dumps({"format": 1, "kind": "full", "checksum": "0", "nbytes": 0,
+                                            "chunk_bytes": 4096, "layout_id": "x", "manifest": {}}).encode())
+    empty = Chunk.of(1, 200_000, b"")
+
+    def msgs():
+        yield pb.PushChunk(shard=key("many"), version=1, chunk_index=0, chunk_count=200_000, checksum=head.checksum,
+                           payload=bytes(head.payload))
+        for i in range(1, 200_000):
+            yield pb.PushChunk(shard=key("many"), version=1, chunk_index=i, chunk_count=200_000,
+                               checksum=empty.checksum)
+
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Push(msgs(), metadata=META, timeout=120)
+    channel.close()
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert used(d) == before
+
+
+def test_a_manifest_over_the_limit_gets_the_daemons_message(held):
+    d, stub, before, _ = held
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Attach(pb.AttachRequest(shard=key("m"), manifest_json=b" " * (17 << 20)), metadata=META, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds 16777216" in e.value.details()

@@ -421,3 +421,13 @@ def test_streamed_version_with_a_bad_chunk_is_refused(pair):
     relabelled[1], relabelled[2] = Chunk(1, a.count, b.checksum, b.payload), Chunk(2, a.count, a.checksum, a.payload)
     with pytest.raises(CodecError, match="out of place"):
         _stream(relabelled)
+
+
+@pytest.mark.parametrize("chunk_bytes", [4 << 10, 5000, 1 << 20])
+def test_segment_count_is_the_segments_length_by_arithmetic(chunk_bytes):
+    from ffstate.codec.chunks import segment_count, segments
+
+    state = {"a": torch.zeros(12345), "b": torch.zeros(7, dtype=torch.float16), "c": torch.zeros(3, 3, dtype=torch.int64),
+             "d": torch.zeros(0), "e": np.zeros(1001, dtype=np.uint8)}
+    manifest = layout.describe(state)
+    assert segment_count(manifest, chunk_bytes) == len(segments(manifest, chunk_bytes))
