@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slot-poll", type=float, default=0.05, metavar="SECONDS",
                    help="how often the daemon looks at its workers' slots between their rings of its doorbell "
                         "(a worker rings after each commit; default 0.05)")
+    p.add_argument("--max-pushes", type=int, default=48, metavar="N",
+                   help="push streams served at once; more are refused with RESOURCE_EXHAUSTED, so that stalled or "
+                        "slow pushers cannot take every thread from health checks, Inventory and Commit (default 48)")
+    p.add_argument("--push-idle-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="cut off a push stream that sends no chunk for this long (default 60)")
     p.add_argument("--nice", type=nice_level, default=0, metavar="N|idle",
                    help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
                         "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "

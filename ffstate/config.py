@@ -204,6 +204,8 @@ class DaemonConfig:
     link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
     slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
+    max_pushes: int = 48  # push streams served at once; more are refused (RESOURCE_EXHAUSTED), so other calls get threads
+    push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off
     nice: int | str = 0  # the process's CPU priority: a niceness 0-19, or "idle" (SCHED_IDLE)
 
     def __post_init__(self) -> None:
@@ -211,6 +213,8 @@ class DaemonConfig:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if not 0 < self.link_share <= 1:
             raise ValueError(f"link_share must be in (0, 1], got {self.link_share}")
+        if self.max_pushes < 1 or not self.push_idle_timeout > 0:
+            raise ValueError(f"max_pushes >= 1 and push_idle_timeout > 0; got {self.max_pushes}, {self.push_idle_timeout}")
         if not 0 < self.slot_poll <= 3600:
             raise ValueError(f"slot_poll (--slot-poll) takes seconds in (0, 3600], got {self.slot_poll}")
         if bool(self.tls_cert) != bool(self.tls_key):

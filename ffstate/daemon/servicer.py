@@ -5,7 +5,9 @@ checks excepted). ``start_server`` binds it, plain or TLS (DESIGN.md I6)."""
 from __future__ import annotations
 
 import hmac
+import itertools
 import logging
+import threading
 import time
 from concurrent import futures
 from typing import Any, Callable, Iterator
@@ -72,6 +74,14 @@ class Servicer:
 
     def __init__(self, node: Node):
         self.node = node
+        cfg = node.cfg
+        self._pushes = threading.BoundedSemaphore(cfg.max_pushes)
+        self._idle = cfg.push_idle_timeout
+        # Open push streams: id -> [context, monotonic time of its last chunk]; the watchdog cancels stalled ones
+        # (gRPC's sync server has no per-message deadline, and a handler blocked on its stream cannot look).
+        self._streams: dict[int, list] = {}
+        self._ids = itertools.count()
+        threading.Thread(target=self._watch_pushes, name="ffstate-push-watchdog", daemon=True).start()
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (method, status) -> (last logged, since)
 
     def _guard(self, method: str, context: grpc.ServicerContext, fn: Callable[[], Any]) -> Any:
@@ -114,17 +124,42 @@ class Servicer:
     # ------------------------------------------------------------ replicas
 
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResult:
+        ident = next(self._ids)
+        seen = [context, time.monotonic()]
+
         def chunks() -> Iterator[IncomingChunk]:
             for m in request_iterator:
+                seen[1] = time.monotonic()
                 self.node.touch()
                 yield IncomingChunk(_key(m.shard), m.version, m.base_version, m.chunk_index, m.chunk_count,
                                     m.checksum, m.payload)
 
         def run() -> pb.PushResult:
-            _, version, nbytes = self.node.stage(chunks(), context.peer())
+            if not self._pushes.acquire(blocking=False):
+                raise ReplicaError(f"{self.node.cfg.max_pushes} pushes are in flight here (--max-pushes); retry",
+                                   "RESOURCE_EXHAUSTED")
+            self._streams[ident] = seen
+            try:
+                _, version, nbytes = self.node.stage(chunks(), context.peer())
+            finally:
+                self._streams.pop(ident, None)
+                self._pushes.release()
             return pb.PushResult(staged_version=version, bytes_received=nbytes)
 
         return self._guard("Push", context, run)
+
+    def _watch_pushes(self) -> None:
+        """Cancels each push stream that sent nothing for ``push_idle_timeout``: its thread and staged bytes come
+        back (the stream's reader raises, the staging is discarded), and the sender sees CANCELLED."""
+        while True:  # a daemon thread: it lives as long as the process
+            time.sleep(min(1.0, self._idle / 4))
+            now = time.monotonic()
+            for ident, (context, last) in list(self._streams.items()):
+                if now - last > self._idle and self._streams.pop(ident, None) is not None:
+                    log.warning("push stalled: no chunk for %gs (--push-idle-timeout) from %s; cut off", self._idle,
+                                context.peer())
+                    self.node.refused("CANCELLED")
+                    context.cancel()
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResult:
         def run() -> pb.CommitResult:
@@ -181,7 +216,8 @@ def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
     # RPCs over both; it must fail instead.
     opts = [("grpc.max_receive_message_length", max(cfg.max_chunk_bytes, MAX_MANIFEST_BYTES) + (1 << 20)),
             ("grpc.max_send_message_length", wire.DEFAULT_MAX_MESSAGE), ("grpc.so_reuseport", 0)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="ffstate-rpc"),
+    # Pushes take at most max_pushes threads; the rest answer health checks, Inventory, Commit, Fetch...
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_pushes + 16, thread_name_prefix="ffstate-rpc"),
                          interceptors=[TokenInterceptor(cfg.token, node.refused)], options=opts)
     server.add_generic_rpc_handlers([Servicer(node).handlers()])
     health_servicer = health.HealthServicer()

@@ -189,3 +189,68 @@ def test_a_manifest_over_the_limit_gets_the_daemons_message(held):
     with pytest.raises(grpc.RpcError) as e:
         stub.Attach(pb.AttachRequest(shard=key("m"), manifest_json=b" " * (17 << 20)), metadata=META, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceeds 16777216" in e.value.details()
+
+
+def test_stalled_push_streams_cannot_take_the_daemon_from_other_clients(daemons, states):
+    """Streams that send their first chunk and then nothing: past --max-pushes they are refused at once, the
+    daemon keeps answering health checks, Inventory and Commit meanwhile, and each stalled stream is cut off
+    (CANCELLED) after --push-idle-timeout with its memory given back."""
+    import threading
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    d = daemons.start("--max-pushes", "4", "--push-idle-timeout", "3")
+    with d.client() as c:
+        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
+    packed = codec.encode(states[1], chunk_bytes=CHUNK)
+    full = packed.chunks
+    release = threading.Event()
+    codes: list = []
+
+    def stalled(i: int) -> None:
+        def msgs():
+            c = full[0]
+            yield pb.PushChunk(shard=key(f"stall{i}"), version=1, chunk_index=0, chunk_count=c.count,
+                               checksum=c.checksum, payload=bytes(c.payload))
+            release.wait(60)
+
+        channel = grpc.insecure_channel(d.address)
+        try:
+            pb_grpc.ReplicaStub(channel).Push(msgs(), metadata=META, timeout=60)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as e:
+            codes.append(e.code())
+        finally:
+            channel.close()
+
+    channel = grpc.insecure_channel(d.address)
+    stub = pb_grpc.ReplicaStub(channel)
+    push(stub, codec.encode(states[1], states[0], chunk_bytes=CHUNK).chunks)  # staged; committed mid-stall
+    threads = [threading.Thread(target=stalled, args=(i,)) for i in range(40)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every stream is open now: 4 stalled in the daemon, the rest refused
+        start = time.monotonic()
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1
+        assert stub.Inventory(pb.InventoryRequest(), metadata=META, timeout=2).node_id
+        assert stub.Commit(pb.CommitRequest(shard=key(), version=2), metadata=META, timeout=2).version == 2
+        answered = time.monotonic() - start
+        mid_stall = stub.Inventory(pb.InventoryRequest(), metadata=META, timeout=2).bytes_used
+        channel.close()
+        for t in threads:
+            t.join(30)
+    finally:
+        release.set()
+    assert answered < 3.0
+    assert codes.count(grpc.StatusCode.CANCELLED) == 4 and codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 36
+    from ffstate.daemon.store import CHUNK_BOOKKEEPING
+
+    with d.client() as c:
+        assert held_version(c, JOB, 0) == 2
+        # What the 4 stalled streams reserved (their header chunk, and the full version's buffer it announced)
+        # is given back, to the byte.
+        stalled = len(full[0].payload) + CHUNK_BOOKKEEPING + packed.raw_nbytes
+        assert c.inventory().bytes_used == mid_stall - 4 * stalled
+    assert d.log().count("push stalled: no chunk for 3s") == 4
