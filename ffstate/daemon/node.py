@@ -70,6 +70,8 @@ class Node:
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()
         self.refusals: collections.Counter[str] = collections.Counter()  # by gRPC status name
+        for path in shm.reclaim(cfg.node_id):  # a killed daemon of this node left them in /dev/shm (memory)
+            log.warning("removed %s, left by a daemon of node %s that is gone", path, cfg.node_id)
         self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)

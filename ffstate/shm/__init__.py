@@ -8,8 +8,9 @@ from ffstate.ids import check_id
 from ffstate.shm.doorbell import Bell, Doorbell
 from ffstate.shm.header import COMM_RING, PAGE, TIMELINE_MAX, Header
 from ffstate.shm.marks import CommMarks
-from ffstate.shm.slots import (DEFAULT_SCALARS_CAPACITY, SlotView, Slots, create_slots, remove_slots, slot_paths,
-                               slot_size)
+from ffstate.shm.slots import (DEFAULT_SCALARS_CAPACITY, SlotView, Slots, create_slots, reclaim, remove_slots,
+                               slot_paths, slot_size)
 
 __all__ = ["Bell", "COMM_RING", "CommMarks", "DEFAULT_SCALARS_CAPACITY", "Doorbell", "Header", "PAGE", "SlotError",
-           "SlotView", "Slots", "TIMELINE_MAX", "check_id", "create_slots", "remove_slots", "slot_paths", "slot_size"]
+           "SlotView", "Slots", "TIMELINE_MAX", "check_id", "create_slots", "reclaim", "remove_slots", "slot_paths",
+           "slot_size"]

@@ -38,7 +38,7 @@ class Header(ctypes.LittleEndianStructure):
         # The seqlock (worker): odd while the slot is written, even once version and scalars are in place.
         ("seq", _u64),
         ("version", _u64),  # worker: the step this slot holds
-        ("_unused", _u64),
+        ("daemon_pid", _u64),  # daemon: its process, so that the node's next daemon reclaims a killed one's slots
         ("scalars_len", _u64),  # worker: bytes of the scalars' JSON after the header page
         ("data_bytes", _u64),  # daemon: the packed state's size (the manifest's nbytes)
         ("scalars_capacity", _u64),  # daemon: room for the scalars' JSON

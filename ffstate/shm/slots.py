@@ -20,6 +20,7 @@ seqlock, not the checksum, is what rules out a torn slot.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -68,13 +69,42 @@ def create_slots(paths: list[Path], manifest: Manifest, scalars_capacity: int,
         try:
             os.ftruncate(fd, size)
             head = Header(magic=MAGIC, data_bytes=manifest.nbytes, scalars_capacity=scalars_capacity,
-                          layout_id=manifest.layout_id.encode())
+                          layout_id=manifest.layout_id.encode(), daemon_pid=os.getpid())
             if bell is not None and k == 0:
                 name = bell[0].encode()[:BELL_NAME_MAX]
                 head.bell_id, head.bell_len, head.bell_name = bell[1], len(name), name
             os.pwrite(fd, bytes(head), 0)
         finally:
             os.close(fd)
+
+
+def reclaim(node_id: str) -> list[Path]:
+    """Removes the slot files of node ``node_id`` whose daemon is no longer alive (one SIGKILLed leaves them in
+    /dev/shm, which is memory, until the machine reboots); returns what it removed. A live daemon's are kept."""
+    gone = []
+    for path in sorted(SHM_DIR.glob(f"ffstate-{check_id(node_id, 'node id')}-*")):
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(ctypes.sizeof(Header))
+        except OSError:
+            continue
+        if len(raw) < ctypes.sizeof(Header) or raw[:8] != MAGIC:
+            continue
+        pid = Header.from_buffer_copy(raw).daemon_pid
+        if pid and not _alive(pid):
+            path.unlink(missing_ok=True)
+            gone.append(path)
+    return gone
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def remove_slots(paths: list[Path]) -> None:

@@ -197,6 +197,24 @@ def test_a_holder_address_that_reaches_this_nodes_own_daemon_is_refused(daemons)
             check_holders(job, [1], [mine.address])
 
 
+def test_a_killed_daemons_slots_are_reclaimed_by_the_nodes_next_daemon(daemons):
+    """SIGKILL leaves a daemon's slot files in /dev/shm (memory) with no one to remove them; the node's next
+    daemon removes those whose daemon is gone at its start, and leaves a live daemon's alone."""
+    a = daemons.start()
+    slots, _ = attached_slots(a, "j14", 1)
+    paths = list(slots.paths)
+    slots.close()
+    live = daemons.start()  # another node's live daemon: its slots stay
+    live_slots, _ = attached_slots(live, "j14", 1)
+    live_slots.close()
+    a.kill()
+    assert all(p.exists() for p in paths)
+    b = daemons.start(node_id=a.node_id)
+    assert not any(p.exists() for p in paths)
+    assert all(p.exists() for p in live_slots.paths)
+    assert f"removed {paths[0]}, left by a daemon of node {a.node_id} that is gone" in b.log()
+
+
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
