@@ -69,7 +69,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     tls = Tls(args.tls_ca) if args.tls_ca else None
     table = Table(title="ffstate replicas")
-    for col in ("daemon", "node", "job", "rank", "kind", "version", "versions", "MB", "last update", "lag", "source"):
+    for col in ("daemon", "node", "job", "rank", "kind", "version", "versions", "MB", "last update", "lag", "staged",
+                "source"):
         table.add_column(col, justify="right" if col in ("rank", "version", "MB", "lag") else "left")
     rows, owners, failed = [], {}, 0
     for address in args.daemon:
@@ -77,7 +78,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             with Client(address, token, tls=tls, timeout=args.timeout, retries=1) as c:
                 inv = c.inventory(args.job or "")
         except ReplicaError as e:
-            table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", str(e)[:60])
+            table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", "-", str(e)[:60])
             failed += 1
             continue
         for s in inv.shards:
@@ -92,8 +93,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             lag = str(owners[key] - s.version) if key in owners else "?"
         age = f"{now - s.last_update_unix:.1f}s ago" if s.last_update_unix else "-"
+        staged = f"v{s.staged_version}, {s.staged_bytes / 1e6:.1f} MB" if s.staged_version else "-"
         table.add_row(address, inv.node_id, key[0], f"{key[1]}/{key[2]}", "local" if s.local else "replica",
-                      str(s.version), ",".join(map(str, s.versions)), f"{s.bytes / 1e6:.1f}", age, lag, s.source)
+                      str(s.version), ",".join(map(str, s.versions)), f"{s.bytes / 1e6:.1f}", age, lag, staged,
+                      s.source)
     console = Console()
     console.print(table)
     razor = Table(title="what each rank replicates (razor: each byte once per data-parallel group)")
@@ -183,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "slow pushers cannot take every thread from health checks, Inventory and Commit (default 48)")
     p.add_argument("--push-idle-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="cut off a push stream that sends no chunk for this long (default 60)")
+    p.add_argument("--staged-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="discard a pushed version not committed within this long, and free its memory (default 300)")
     p.add_argument("--nice", type=nice_level, default=0, metavar="N|idle",
                    help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
                         "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "

@@ -153,7 +153,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled", "staged_version", "staged_bytes")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class ShardInfo(_message.Message):
     PUSHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     PROFILED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -180,7 +182,9 @@ class ShardInfo(_message.Message):
     pushed_versions: int
     restore: RestoreInfo
     profiled: ProfiledInfo
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ...) -> None: ...
+    staged_version: int
+    staged_bytes: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
 
 class ProfiledInfo(_message.Message):
     __slots__ = ("steps", "collectives", "period_seconds", "busy_seconds")

@@ -56,6 +56,7 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: done.set())
         while not done.wait(0.5):
+            node.expire_staged()
             if cfg.idle_exit and node.idle_seconds() > cfg.idle_exit:
                 log.info("idle for %.0fs (--idle-exit): exiting", cfg.idle_exit)
                 break

@@ -53,11 +53,13 @@ class ReportCollector(Collector):
         restore_lost = GaugeMetricFamily("ffstate_restore_steps_lost", "The newest restore's steps lost", labels=shard)
         held = GaugeMetricFamily("ffstate_replica_bytes", "Memory of the replicas this daemon holds", labels=shard)
         version = GaugeMetricFamily("ffstate_replica_version", "Newest version of a held replica", labels=shard)
+        staged = GaugeMetricFamily("ffstate_staged_bytes", "Memory of a pushed version not yet committed", labels=shard)
         for s in rep.shards:
             labels = [node, s.shard.job_id, str(s.shard.rank)]
             if not s.local:
                 held.add_metric(labels, s.bytes)
                 version.add_metric(labels, s.version)
+                staged.add_metric(labels, s.staged_bytes)
                 continue
             if s.restore is not None:
                 restores.add_metric(labels, s.restore.restores)
@@ -117,7 +119,7 @@ class ReportCollector(Collector):
         budget = GaugeMetricFamily("ffstate_memory_bytes", "Memory used and budget", labels=["node", "kind"])
         budget.add_metric([node, "used"], rep.bytes_used)
         budget.add_metric([node, "budget"], rep.bytes_budget)
-        yield from (held, version, budget)
+        yield from (held, version, staged, budget)
 
 
 def serve_metrics(report: Callable[[], NodeReport], host: str, port: int) -> Any:

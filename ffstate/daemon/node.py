@@ -289,7 +289,8 @@ class Node:
             shards.append(_local_report(key, s))
         for r in self.store.inventory(job_id):
             shards.append(ShardReport(r["key"], False, r["version"], list(r["versions"]), r["bytes"], r["updated"],
-                                      r["source"]))
+                                      r["source"], staged_version=r.get("staged_version", 0),
+                                      staged_bytes=r.get("staged_bytes", 0)))
         pacer = self.replicator.pacer
         share = getattr(pacer, "share", 1.0)
         links = [LinkReport(h, link.estimate, share, link.waited, link.overrides, link.catch_ups, pacer.name,
@@ -299,6 +300,12 @@ class Node:
                                             "overlap_seconds": timeline.overlap}
         return NodeReport(self.cfg.node_id, shards, self.store.used, self.store.budget, links, pacer.name, **seen,
                           link_share=share, refusals=dict(self.refusals))
+
+    def expire_staged(self) -> None:
+        """Discards pushed versions never committed within ``staged_timeout`` (the daemon's loop calls this)."""
+        for key, version in self.store.expire_staged(self.cfg.staged_timeout):
+            log.warning("discarded %s version %d: pushed and not committed within %gs (--staged-timeout)", key,
+                        version, self.cfg.staged_timeout)
 
     def close(self) -> None:
         with self._lock:

@@ -71,6 +71,7 @@ class Staging:
     packed: Packed
     reserved: int
     source: str
+    at: float = field(default_factory=time.monotonic)  # when it was staged: it expires (``expire_staged``)
 
 
 @dataclass(frozen=True)
@@ -355,10 +356,28 @@ class Store:
         return len(keys)
 
     def inventory(self, job_id: str = "") -> list[dict[str, Any]]:
+        """What is held per shard, a version staged and not committed included (with its bytes)."""
         with self._lock:
-            replicas = [r for k, r in sorted(self._replicas.items()) if not job_id or k.job_id == job_id]
-        return [{"key": r.key, "version": r.version, "versions": r.versions, "bytes": r.nbytes,
-                 "updated": r.updated, "source": r.source} for r in replicas]
+            keys = sorted(k for k in set(self._replicas) | set(self._staged) if not job_id or k.job_id == job_id)
+            rows = [(k, self._replicas.get(k), self._staged.get(k)) for k in keys]
+        out = []
+        for k, r, s in rows:
+            staged = {"staged_version": s.version, "staged_bytes": s.reserved} if s else {}
+            out.append({"key": k, "version": r.version if r else 0, "versions": r.versions if r else [],
+                        "bytes": (r.nbytes if r else 0) + (s.reserved if s else 0), "updated": r.updated if r else 0.0,
+                        "source": r.source if r else s.source, **staged})
+        return out
+
+    def expire_staged(self, timeout: float) -> list[tuple[ShardKey, int]]:
+        """Discards the versions staged longer than ``timeout`` seconds ago and not committed (a pusher that died
+        between Push and Commit), giving their memory back; returns (shard, version) of each."""
+        now = time.monotonic()
+        with self._lock:
+            old = [k for k, s in self._staged.items() if now - s.at > timeout]
+            gone = [self._staged.pop(k) for k in old]
+        for s in gone:
+            self.release(s.reserved)
+        return [(s.key, s.version) for s in gone]
 
 
 def _verify_one(chunk: Chunk) -> None:

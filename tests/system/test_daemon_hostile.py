@@ -254,3 +254,32 @@ def test_stalled_push_streams_cannot_take_the_daemon_from_other_clients(daemons,
         stalled = len(full[0].payload) + CHUNK_BOOKKEEPING + packed.raw_nbytes
         assert c.inventory().bytes_used == mid_stall - 4 * stalled
     assert d.log().count("push stalled: no chunk for 3s") == 4
+
+
+def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, states, tmp_path):
+    """A pusher that dies between Push and Commit: the staged version is visible (Inventory, ffstate status,
+    metrics) and, after --staged-timeout, discarded with its memory given back and a log line."""
+    import time
+
+    port = free_ports(1)
+    d = daemons.start("--staged-timeout", "2", "--metrics-port", str(port))
+    with d.client() as c:
+        before = c.inventory().bytes_used
+        packed = codec.encode(states[0], chunk_bytes=CHUNK)
+        c.push(JOB, 0, 1, 1, packed)
+        inv = c.inventory(JOB)
+        (s,) = inv.shards
+        assert (s.staged_version, s.version, s.versions) == (1, 0, []) and s.staged_bytes > packed.raw_nbytes
+        assert inv.bytes_used == before + s.staged_bytes
+        status = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", d.address],
+                                capture_output=True, text=True, timeout=60,
+                                env={**__import__("os").environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "250"})
+        assert "v1, " in status.stdout, status.stdout
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        line = next(x for x in metrics.splitlines() if x.startswith("ffstate_staged_bytes{"))
+        assert f'job="{JOB}"' in line and float(line.rsplit(" ", 1)[1]) == s.staged_bytes
+        deadline = time.monotonic() + 10
+        while c.inventory(JOB).shards and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not c.inventory(JOB).shards and c.inventory().bytes_used == before
+    assert f"discarded {JOB}/rank 0 of 1 version 1: pushed and not committed within 2s" in d.log()
