@@ -85,6 +85,7 @@ class LinkReport:
     scheduler: str
     collisions: int
     overlap_seconds: float
+    rushes: int = 0
 
 
 @dataclass

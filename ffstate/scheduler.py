@@ -17,9 +17,19 @@ The link estimate per holder is ``link_bytes_per_s`` when given (the NIC's rate:
 setting); else it starts from the first push (sent unpaced: the probe) and follows a running
 average of real pushes, each timed less the time the scheduler held it. Chunks are cut to take a
 few milliseconds on the slowest link, so that they fit between collectives. When a holder falls
-``deadline`` versions behind, the scheduler stops waiting for windows (replication must stay
-within the lag, DESIGN.md I4), keeping only the rate cap, and counts and logs it. ``Naive`` sends
-as soon as a version is captured, for comparison.
+``deadline`` versions behind, the scheduler stops waiting for windows and pacing (replication must
+stay within the lag, DESIGN.md I4), and counts and logs it.
+
+The pacing must not cost a step on a node loss: what a holder lacks (the rest of the version being
+sent and the versions taken after it) is due there before the workers' next commit (predicted from
+their commit marks: the newest plus the median step). It goes under the share and in the windows
+while that leaves time for it, at the rate pushes to that holder have had under pacing (holds
+included), faster than the share when the time left needs it, and past the windows, unpaced, once
+it would otherwise miss the commit (counted as ``rushes``). Without that, on a link whose
+replication takes most of a step (a 2.6 MB state on this loopback, 100-150 ms steps, the daemons
+sharing 2 cores with the training), the windows and the share held every holder at the deadline,
+3 versions behind: a node loss cost 3-4 steps in ``make demo`` where naive sending cost 0-1; with
+it, 1. ``Naive`` sends as soon as a version is captured, for comparison.
 
 Both count what they did to the training (``Timeline``): each collective the workers marked, those
 that started while a chunk was, by the link's rate, still on the wire (a **collision**), and the
@@ -48,6 +58,10 @@ log = logging.getLogger("ffstate.scheduler")
 EWMA = 0.3  # weight of the newest push in the running link estimate
 CHUNK_SECONDS = 0.003  # a paced chunk takes about this long on the slowest link: it fits between collectives
 MIN_CHUNK = 32 << 10  # below this the per-chunk costs (a gRPC message, a segment's encoding) start to show
+# A measured estimate includes those per-chunk costs, so chunks cut to it would lower it further (a loop: on this
+# loopback 32 KiB chunks halve the rate a push reaches, 50 against 100 MB/s, and under the training's load the
+# measured "link" was 18 MB/s); where the link's rate is not given, chunks stay at least this large.
+MEASURED_MIN_CHUNK = 256 << 10
 # The token bucket holds about one chunk: a chunk released goes into the socket's and the NIC queue's buffers
 # at once, and a collective that starts then waits behind everything queued there, so replication must
 # trickle at its rate, never release a backlog in one burst (with a 50 ms bucket the scheduler cost an FSDP2
@@ -60,6 +74,11 @@ BURST_SECONDS = 0.005
 GUARD = 0.002
 POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
 CATCH_UP = 2  # versions behind (taken, not yet at a holder) from which replication takes the whole link in windows
+# What a holder lacks is due there this long before the predicted next commit, its bytes counted at DUE_MARGIN
+# times their time at the link's rate: the node's other ranks push to the same holder meanwhile, and the pushes'
+# CPU competes with the training's (with 2x, make demo's node loss cost 1-2 steps; with 4x, 1 in 5 of 5 runs).
+DUE_GUARD = 0.01
+DUE_MARGIN = 4.0
 
 
 @dataclass
@@ -72,6 +91,8 @@ class LinkState:
     waited: float = 0.0  # seconds chunks to this holder were held for windows and the rate cap
     overrides: int = 0  # chunks sent past the windows because replication neared its lag bound
     catch_ups: int = 0  # chunks sent at the whole link's rate (in windows) because a newer version waited
+    rushes: int = 0  # chunks sent past the windows, or what the holder lacks would miss the next commit
+    paced: float = 1.0  # running share of a push's time not held by the scheduler (1: never held)
     sent_bytes: int = 0
     collisions: int = 0  # the training's collectives that started while a chunk to this holder was on the wire
     overlap: float = 0.0  # seconds chunks to this holder were on the wire during the training's collectives
@@ -155,7 +176,7 @@ class Naive:
                 self._links[holder] = LinkState(estimate=self.link_bytes_per_s)
             return self._links[holder]
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0, remaining: int = 0) -> float:
         link = self._link(holder)
         self.timeline.observe()
         self.timeline.chunk(link, nbytes, self.wall())
@@ -213,13 +234,14 @@ class Scheduler:
         """The segment size the replicator encodes with: a chunk should take about ``CHUNK_SECONDS`` on the
         slowest known link, so that it fits in the gaps between the training's collectives and one that
         starts is not held up long behind it; ``Config.chunk_bytes`` (1 MiB) until a link is measured
-        and on fast links. A power of two, at least ``MIN_CHUNK``."""
+        and on fast links. A power of two, at least ``MIN_CHUNK`` (``MEASURED_MIN_CHUNK`` where the
+        link's rate is measured, not given)."""
         with self._lock:
             slowest = min((link.estimate for link in self._links.values() if link.estimate),
                           default=self.link_bytes_per_s)
         if not slowest:
             return Config.chunk_bytes
-        want = max(MIN_CHUNK, int(slowest * CHUNK_SECONDS))
+        want = max(MIN_CHUNK if self.link_bytes_per_s else MEASURED_MIN_CHUNK, int(slowest * CHUNK_SECONDS))
         return min(Config.chunk_bytes, 1 << (want.bit_length() - 1))
 
     def _link(self, holder: str) -> LinkState:
@@ -230,14 +252,31 @@ class Scheduler:
 
     # ------------------------------------------------------------ the pacing
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float:
-        """Returns once the chunk may go; returns the seconds it was held."""
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0, remaining: int = 0) -> float:
+        """Returns once the chunk may go; returns the seconds it was held.
+
+        ``behind``: versions taken that this holder lacks (1: the one being sent is the newest);
+        ``remaining``: bytes of the version being sent still to go, this chunk's included (0: unknown).
+        """
         link = self._link(holder)
         if not link.estimate:  # the probe: the first push goes unpaced and is timed
             return 0.0
         start = self.clock()
         # Behind (a version pushed while a newer one waits): the share does not keep up; the whole link, in windows.
         rate = link.estimate * (self.share if behind < CATCH_UP else 1.0)
+        windows = capped = behind < self.deadline
+        if windows and remaining:  # what the holder lacks is due there before the next commit
+            left = self._time_to_next_commit()
+            # at the rate pushes to this holder have had under pacing, holds for windows and the cap included
+            need = remaining * DUE_MARGIN / (link.estimate * max(link.paced, 0.05))
+            if left is not None and need >= left:  # it would miss it: past the windows, unpaced
+                windows = capped = False
+                link.rushes += 1
+                if link.rushes == 1 or link.rushes % 1000 == 0:
+                    log.info("replication to %s: %d versions behind, %d bytes would miss the next commit in the "
+                             "windows: sent past them (%d chunks so far)", holder, behind, remaining, link.rushes)
+            elif left is not None:  # faster than the share where the time left needs it
+                rate = min(link.estimate, max(rate, remaining * DUE_MARGIN / left))
         if CATCH_UP <= behind < self.deadline:
             link.catch_ups += 1
             if link.catch_ups == 1 or link.catch_ups % 1000 == 0:
@@ -248,8 +287,12 @@ class Scheduler:
             if link.overrides == 1 or link.overrides % 100 == 0:
                 log.warning("replication to %s is %d versions behind: sending past the training's windows "
                             "(%d chunks so far)", holder, behind, link.overrides)
-        self._take_tokens(link, nbytes, rate)
-        if behind < self.deadline:  # the window last: the rate cap's wait must not carry a chunk into a collective
+        if capped:
+            self._take_tokens(link, nbytes, rate)
+        else:  # unpaced, as naive sending: a cap at the estimate would also keep the estimate from rising
+            with self._lock:
+                link.tokens, link.refilled = 0.0, self.clock()
+        if windows:  # the window last: the rate cap's wait must not carry a chunk into a collective
             self._wait_for_window(nbytes / max(link.estimate, 1.0), link)
         else:
             self.timeline.observe()
@@ -259,6 +302,18 @@ class Scheduler:
             link.waited += waited
             link.sent_bytes += nbytes
         return waited
+
+    def _time_to_next_commit(self) -> float | None:
+        """Seconds until the workers' next commit is due (the newest commit plus the median of the last
+        steps), less ``DUE_GUARD``; None before two commits are marked."""
+        commits = self.busy()[2]
+        if len(commits) < 2:
+            return None
+        recent = commits[-6:]
+        steps = sorted(b - a for a, b in zip(recent, recent[1:]) if b > a)
+        if not steps:
+            return None
+        return commits[-1] + steps[len(steps) // 2] - DUE_GUARD - self.wall()
 
     def _wait_for_window(self, seconds: float, link: LinkState) -> None:
         """Returns once nothing of the training is on the wire, nor predicted before a chunk of ``seconds``
@@ -307,6 +362,8 @@ class Scheduler:
             link.estimate = measured
         elif not self.link_bytes_per_s:
             link.estimate = (1 - EWMA) * link.estimate + EWMA * nbytes / max(seconds - held, 1e-3)
+        if seconds > 0:
+            link.paced = (1 - EWMA) * link.paced + EWMA * max(seconds - held, 0.0) / seconds
 
 
 def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -235,7 +235,7 @@ class InventoryResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ...) -> None: ...
 
 class LinkInfo(_message.Message):
-    __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions", "overlap_seconds", "catch_ups")
+    __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions", "overlap_seconds", "catch_ups", "rushes")
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SHARE_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +245,7 @@ class LinkInfo(_message.Message):
     COLLISIONS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CATCH_UPS_FIELD_NUMBER: _ClassVar[int]
+    RUSHES_FIELD_NUMBER: _ClassVar[int]
     holder: str
     estimate_bytes_per_second: float
     share: float
@@ -254,7 +255,8 @@ class LinkInfo(_message.Message):
     collisions: int
     overlap_seconds: float
     catch_ups: int
-    def __init__(self, holder: _Optional[str] = ..., estimate_bytes_per_second: _Optional[float] = ..., share: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., deadline_overrides: _Optional[int] = ..., scheduler: _Optional[str] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ..., catch_ups: _Optional[int] = ...) -> None: ...
+    rushes: int
+    def __init__(self, holder: _Optional[str] = ..., estimate_bytes_per_second: _Optional[float] = ..., share: _Optional[float] = ..., waited_seconds: _Optional[float] = ..., deadline_overrides: _Optional[int] = ..., scheduler: _Optional[str] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ..., catch_ups: _Optional[int] = ..., rushes: _Optional[int] = ...) -> None: ...
 
 class StepBackRequest(_message.Message):
     __slots__ = ("shard", "version")

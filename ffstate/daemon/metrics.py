@@ -91,6 +91,9 @@ class ReportCollector(Collector):
         catch_ups = CounterMetricFamily("ffstate_scheduler_catch_ups",
                                         "Chunks sent at the link's whole rate, in the training's windows, while a "
                                         "newer version waited", labels=["node", "holder"])
+        rushes = CounterMetricFamily("ffstate_scheduler_rushes",
+                                     "Chunks sent past the training's windows, or what the holder lacked would have "
+                                     "missed the workers' next commit", labels=["node", "holder"])
         collisions = CounterMetricFamily("ffstate_scheduler_collisions",
                                          "The training's collectives that started while a chunk to the holder was on "
                                          "the wire", labels=["node", "holder"])
@@ -102,10 +105,11 @@ class ReportCollector(Collector):
             waited.add_metric([node, link.holder], link.waited_seconds)
             overrides.add_metric([node, link.holder], link.deadline_overrides)
             catch_ups.add_metric([node, link.holder], link.catch_ups)
+            rushes.add_metric([node, link.holder], link.rushes)
             collisions.add_metric([node, link.holder], link.collisions)
             overlap.add_metric([node, link.holder], link.overlap_seconds)
         share.add_metric([node], rep.link_share)
-        yield from (estimate, share, waited, overrides, catch_ups, collisions, overlap)
+        yield from (estimate, share, waited, overrides, catch_ups, rushes, collisions, overlap)
         seen = CounterMetricFamily("ffstate_scheduler_collectives", "The training's collectives the scheduler saw "
                                    "marked by this node's workers", labels=["node"])
         seen.add_metric([node], rep.collectives)

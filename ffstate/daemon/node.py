@@ -259,7 +259,8 @@ class Node:
             self._close_local(s)
         # Only the job's end empties an auto-started daemon: one rank dropped for a new layout re-attaches at once.
         if self.cfg.exit_when_empty and rank is None and not self.local and not self.store.inventory():
-            log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting")
+            log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting, %d bytes "
+                     "accounted", self.store.used)
             self.done.set()
         return n + len(shards)
 
@@ -294,7 +295,8 @@ class Node:
         pacer = self.replicator.pacer
         share = getattr(pacer, "share", 1.0)
         links = [LinkReport(h, link.estimate, share, link.waited, link.overrides, link.catch_ups, pacer.name,
-                            link.collisions, link.overlap) for h, link in pacer.links().items()]
+                            link.collisions, link.overlap, getattr(link, "rushes", 0))
+                 for h, link in pacer.links().items()]
         timeline = getattr(pacer, "timeline", None)
         seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
                                             "overlap_seconds": timeline.overlap}

@@ -40,7 +40,7 @@ class Pacer(Protocol):
 
     name: str
 
-    def before_chunk(self, holder: str, nbytes: int, behind: int = 0) -> float: ...  # returns seconds held
+    def before_chunk(self, holder: str, nbytes: int, behind: int = 0, remaining: int = 0) -> float: ...  # seconds held
 
     def chunk_bytes(self) -> int: ...  # the segment size to encode the next version with
 
@@ -290,10 +290,15 @@ class Replicator:
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key
         base_version = holder.acked if packed.kind == "delta" else 0
-        held = [0.0]
+        held, sent = [0.0], [0]
 
-        def pace(n: int) -> None:  # behind: taken versions this holder lacks, newer ones taken meanwhile included
-            held[0] += self.pacer.before_chunk(holder.address, n, shard.base_version - holder.acked)
+        def pace(n: int) -> None:
+            # behind: taken versions this holder lacks, newer ones taken meanwhile included; remaining: their
+            # bytes still to go (this version's rest and the deltas taken after it), all due before the next commit
+            later = sum(c[2].nbytes for c in list(shard.chain) if c[0] > version)
+            held[0] += self.pacer.before_chunk(holder.address, n, shard.base_version - holder.acked,
+                                               packed.nbytes - sent[0] + later)
+            sent[0] += n
 
         start = time.monotonic()
         try:

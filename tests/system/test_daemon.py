@@ -375,7 +375,8 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     # The writer marks no collectives: nothing seen, nothing met.
     for name in ("collisions", "collectives", "overlap_seconds"):
         assert next(v for k, v in metric.items() if k.startswith(f"ffstate_scheduler_{name}_total")) == 0
-    assert any(k.startswith("ffstate_scheduler_catch_ups_total") for k in metric)  # exported, per holder
+    for name in ("catch_ups", "rushes"):  # exported, per holder
+        assert any(k.startswith(f"ffstate_scheduler_{name}_total") for k in metric), name
     inv = a.client().inventory("j10")
     assert inv.scheduler == "windows" and inv.links[0].holder == b.address and inv.links[0].estimate_bytes_per_second > 0
     assert (inv.collectives, inv.collisions, inv.overlap_seconds, inv.links[0].collisions) == (0, 0, 0, 0)

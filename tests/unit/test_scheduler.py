@@ -119,6 +119,26 @@ def test_replication_that_falls_behind_takes_the_whole_link_in_windows():
     assert (s.links()["h"].catch_ups, s.links()["h"].overrides) == (1, 0)  # counted (metrics, status)
 
 
+def test_the_newest_version_is_due_before_the_next_commit():
+    """One step a second (commits at 999 and 1000), 1 MB/s: with 0.1 MB of the newest version left, the share
+    (0.5 MB/s) and the windows still get it through in time; with 0.225 MB left (counted four times: 0.9 s at the
+    link's rate; the node's other ranks share it) and the training on the wire it goes at once, past the windows."""
+    clock = FakeClock()
+    marks = {"inflight": 1}
+    s = scheduler(lambda: (marks["inflight"], [], [999.0, 1000.0]), clock, share=0.5, link_bytes_per_s=1e6)
+    clock.now = 1000.0
+    marks["inflight"] = 0
+    s.before_chunk("h", 100_000, behind=1, remaining=100_000)  # 0.4 s needed of 0.99: the share's 0.2 s wait
+    assert clock.slept == pytest.approx(0.2, abs=0.002) and s.links()["h"].rushes == 0
+    clock.now, clock.slept, marks["inflight"] = 1000.2, 0.0, 1
+    s._link("h").tokens = 100_000
+    s.before_chunk("h", 100_000, behind=1, remaining=225_000)  # 0.9 s needed of 0.79 left: past the windows
+    assert clock.slept == 0.0 and s.links()["h"].rushes == 1 and s.links()["h"].overrides == 0
+    clock.now, clock.slept, marks["inflight"] = 1000.25, 0.0, 0
+    s.before_chunk("h", 100_000, behind=1, remaining=150_000)  # 0.6 s of 0.74: faster than the share (0.81 MB/s)
+    assert clock.slept == pytest.approx(0.06 / 0.81, abs=0.003)  # the bucket refilled 0.05 s at 0.81, not 0.5 MB/s
+
+
 def test_a_chunk_queued_behind_others_must_clear_the_predicted_collective_too():
     clock = FakeClock(11.0)
     s = scheduler(idle, clock, share=1.0, link_bytes_per_s=1e6, predicted=lambda: [(11.25, 11.3)])
@@ -152,7 +172,9 @@ def test_paced_chunks_are_small_enough_to_fit_between_collectives():
     s = scheduler(idle, clock)
     s.after_push("fast", 100_000_000, 1.0)
     s.after_push("slow", 25_000_000, 1.0)
-    assert s.chunk_bytes() == 64 << 10  # the slowest holder's link decides: 75 KB -> 64 KiB
+    # the slowest holder's link decides, but a measured rate counts the per-chunk costs: 75 KB -> 256 KiB, not 64
+    assert s.chunk_bytes() == 256 << 10
+    assert scheduler(idle, FakeClock(), link_bytes_per_s=25e6).chunk_bytes() == 64 << 10  # given: cut to fit
 
 
 def test_first_push_is_the_probe_then_the_estimate_follows_real_pushes():
