@@ -99,6 +99,9 @@ def main(args: argparse.Namespace) -> int:
         t_ref = torchrun(reference, args.steps, ["--no-ffstate"], env, out / "reference.log", args.timeout)
     finally:
         left = leftover_daemons(run_dir)
+        for kept in [*run_dir.glob("daemon-*.log"), run_dir / "events.jsonl"]:  # the daemons' logs stay with the demo's
+            if kept.exists():
+                shutil.copy(kept, failing / kept.name)
     failures = [json.loads(line) for line in (failing / "failures.jsonl").read_text().splitlines()]
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()
               if json.loads(line).get("event") == "restored"]

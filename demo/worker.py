@@ -4,13 +4,13 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FFSTATE_SIMULATED_NODES=2 \\
         torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo.worker --out DIR [--steps 40]
         [--kill-rank R --kill-step S [--kill-phase after-commit|mid-step|mid-commit]]
-        [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--no-ffstate]
+        [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--chaos FILE] [--no-ffstate]
 
 ``--kill-rank`` SIGKILLs rank R at step S: right after its commit (default), in the middle of the
 step (after backward, before the optimizer step), or in the middle of the commit (the slot half
 written). ``--kill-node`` SIGKILLs node N's daemon and every rank of node N after step S.
 ``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. Each failure
-happens once (a marker file in DIR).
+happens once (a marker file in DIR). ``--chaos`` takes a whole schedule of failures (``faults.py``).
 At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
 ``ffstate demo`` (``demo/main.py``) runs this twice and compares.
 """
@@ -75,6 +75,7 @@ def main() -> None:
     p.add_argument("--kill-daemon-step", type=int, default=0)
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
+    p.add_argument("--chaos", type=Path, help="a JSON schedule of failures (demo/faults.py; ffstate bench chaos)")
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
     p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2", "manual"), default="ddp-zero",
                    help="DDP with a ZeRO-sharded AdamW (default), DDP with a plain AdamW, FSDP2 (fully_shard), or "
@@ -122,7 +123,15 @@ def main() -> None:
         _note(a.out, {"failure": "rank", "rank": rank, "after_step": step, "phase": a.kill_phase, "time": time.time()})
         os.kill(os.getpid(), signal.SIGKILL)
 
+    faults = None
+    if a.chaos is not None:
+        from ffstate.demo.faults import Faults
+
+        faults = Faults(json.loads(a.chaos.read_text()), a.out, rank, per_node, kill_daemon)
+
     def step_fn(step: int) -> None:
+        if faults is not None:
+            faults.step_began(step + 1)
         loss = _loss(model, batch(step, rank))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -132,6 +141,9 @@ def main() -> None:
             die(step)
         if kill_me(step + 1, "mid-commit"):
             _die_inside_the_next_commit(lambda: die(step))
+        if faults is not None:
+            faults.mid_step(step + 1, "mid-step")
+            faults.mid_step(step + 1, "mid-commit", _die_inside_the_next_commit)
         opt.step()
         sched.step()
         extra["samples_seen"] += BATCH * world
@@ -144,9 +156,13 @@ def main() -> None:
             step_fn(step)
     else:
         with ffstate.replicate(model, opt, lr_scheduler=sched, extra=extra) as ff:
+            if faults is not None:
+                faults.entered()
             for step in range(ff.start_step, a.steps):
                 step_fn(step)
                 ff.commit(step + 1)
+                if faults is not None:
+                    faults.committed(step + 1)
                 if a.kill_phase == "after-commit" and step + 1 == a.kill_step and a.kill_rank >= 0:
                     due = not (a.out / "killed-rank").exists()
                     dist.barrier()  # every rank has committed this step when the rank dies

@@ -44,7 +44,7 @@ def nice_level(text: str) -> int | str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from ffstate.config import DaemonConfig
-    from ffstate.daemon.main import serve, set_priority
+    from ffstate.daemon.main import return_freed_memory, serve, set_priority
 
     try:
         cfg = DaemonConfig.from_args(args, node_id=args.node_id or DaemonConfig().node_id,
@@ -52,6 +52,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"ffstate serve: {e}") from None
     set_priority(cfg.nice)
+    return_freed_memory()
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)
@@ -127,14 +128,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                  lambda t: (str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}", f"{t.busy_seconds:.3f}",
                             f"{t.busy_seconds / t.period_seconds:.2f}"))
     links = Table(title="replication links (scheduler)")
-    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "catch-ups", "deadline overrides",
+    for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "catch-ups", "rushes", "deadline overrides",
                 "collisions", "overlap s"):
         links.add_column(col, justify="left" if col in ("daemon", "scheduler", "holder") else "right")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         for link in inv.links:
             links.add_row(address, link.scheduler, link.holder, f"{link.estimate_bytes_per_second / 1e6:.1f}",
                           f"{link.share:.2f}", f"{link.waited_seconds:.2f}", str(link.catch_ups),
-                          str(link.deadline_overrides),
+                          str(link.rushes), str(link.deadline_overrides),
                           str(link.collisions), f"{link.overlap_seconds:.2f}")
     if links.row_count:
         console.print(links)
@@ -211,6 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks; each writes JSON and a PNG under bench/results/")
     which = bench.add_subparsers(dest="benchmark", required=True)
     from ffstate.bench import bandwidth as bandwidth_bench
+    from ffstate.bench import chaos as chaos_bench
     from ffstate.bench import capture as capture_bench
     from ffstate.bench import overhead as overhead_bench
     from ffstate.bench import recovery as recovery_bench
@@ -235,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("simulate", help="scale by simulation: replication in the idle link time of 7B and 70B jobs")
     simulate_bench.add_arguments(p)
     p.set_defaults(run=simulate_bench.main)
+    p = which.add_parser("chaos", help="one job under a seeded schedule of many failures: steps lost, downtime, memory")
+    chaos_bench.add_arguments(p)
+    p.set_defaults(run=chaos_bench.main)
     return parser
 
 

@@ -1,0 +1,327 @@
+"""Chaos benchmark: one torchrun job under a seeded schedule of many failures, ending bit-identical.
+
+The demo's job (4 CPU ranks as 2 simulated nodes, TinyGPT under DDP with a ZeRO-sharded AdamW,
+``demo/worker.py``) runs under a schedule drawn from ``--seed`` (``demo/faults.py``): ranks
+SIGKILLed at random points of a step (right after the commit, after the backward, inside the commit
+with the slot half written, or at a random time into the step), whole nodes lost (their ranks and
+their daemon), daemons alone SIGKILLed while training goes on, and two in a row (a rank killed, then
+another right after the group's restore). torchrun restarts the group after each; ffstate restores it.
+
+Measured while it runs, every 0.25 s, per node: the daemon's RSS, the bytes it accounts against its
+budget (Inventory), and the job's shared memory in /dev/shm. Then the same training without failures
+and without ffstate, and both runs' final parameters, optimizer shards and extras compared bit for bit.
+
+Reported: each failure (kind, step, v*, steps lost, downtime: the kill to the first step committed
+after it), a summary per kind, each daemon's RSS and accounted bytes first and last, and after the job
+the accounted bytes each daemon logged as it exited and the job's files left in /dev/shm.
+
+Usage: ``ffstate bench chaos [--failures 20] [--seed 0] [--gap 4]``. Prints a table; writes
+``bench/results/chaos.json`` and a PNG of memory over time with the failures marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from ffstate.bench._report import environment, free_ports, publish, pyplot, table
+from ffstate.demo.faults import PHASES
+from ffstate.testing.bitwise import compare_runs
+
+WORLD, NODES = 4, 2
+WARMUP = 3  # steps before the first failure
+SAMPLE = 0.25  # seconds between memory samples
+
+
+def draw_schedule(seed: int, failures: int, gap: int) -> tuple[list[dict], int]:
+    """``failures`` failures, every kind at least once where there are four or more, ``gap`` steps apart (twice
+    that after a daemon's loss: its replacement is re-seeded with full versions); returns them and the steps
+    the job needs."""
+    rng = random.Random(seed)
+    kinds = ["rank", "node", "daemon", "double"][:failures]
+    kinds += rng.choices(["rank", "node", "daemon", "double"], weights=[5, 2, 2, 1], k=failures - len(kinds))
+    rng.shuffle(kinds)
+    out, step = [], WARMUP
+    for kind in kinds:
+        step += gap * (2 if out and out[-1]["kind"] == "daemon" else 1)
+        f: dict = {"kind": kind, "step": step}
+        if kind in ("rank", "double"):
+            f["rank"] = rng.randrange(WORLD)
+            f["phase"] = rng.choice(PHASES)
+            if f["phase"] == "timer":
+                f["delay"] = round(rng.uniform(0.0, 0.15), 3)
+            if kind == "double":
+                f["then"] = rng.choice([r for r in range(WORLD) if r != f["rank"]])
+        else:
+            f["node"] = rng.randrange(NODES)
+        out.append(f)
+    return out, step + gap + 2
+
+
+class Sampler(threading.Thread):
+    """Every ``SAMPLE`` seconds, per node: the daemon's pid, RSS, accounted bytes; the job's /dev/shm use."""
+
+    def __init__(self, run_dir: Path, job: str, base_port: int, token: str):
+        super().__init__(daemon=True)
+        self.run_dir, self.job, self.base_port, self.token = run_dir, job, base_port, token
+        self.rows: list[dict] = []
+        self.stopped = threading.Event()
+        self._clients: dict[int, object] = {}
+
+    def _accounted(self, node: int) -> int | None:
+        from ffstate.client import Client
+
+        try:
+            if node not in self._clients:
+                self._clients[node] = Client(f"127.0.0.1:{self.base_port + node}", self.token, timeout=1.0, retries=0)
+            return int(self._clients[node].inventory().bytes_used)
+        except Exception:  # the daemon is down or starting: no figure this time
+            self._clients.pop(node, None)
+            return None
+
+    def run(self) -> None:
+        while not self.stopped.wait(SAMPLE):
+            now = time.time()
+            shm = [p for p in Path("/dev/shm").glob(f"*{self.job}*")]
+            for node in range(NODES):
+                pid = rss = None
+                try:
+                    pid = int((self.run_dir / f"daemon-node{node}.pid").read_text())
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+                except (OSError, ValueError, AttributeError):
+                    pass
+                mine = [p for p in shm if p.name.startswith(f"ffstate-node{node}-")]
+                self.rows.append({"time": now, "node": node, "pid": pid, "rss": rss,
+                                  "accounted": self._accounted(node) if rss else None,
+                                  "shm_files": len(mine), "shm_bytes": sum(_size(p) for p in mine)})
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, restarts: int, timeout: float) -> float:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+            "--max-restarts", str(restarts), "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps),
+            *extra]
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-60:])
+        raise RuntimeError(f"torchrun failed (exit {proc.returncode}); the end of {log}:\n{tail}")
+    return time.perf_counter() - start
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _leftover_daemons(run_dir: Path, wait: float = 15.0) -> list[int]:
+    """Daemons still alive ``wait`` seconds after the job (SIGTERMed, then reported)."""
+    give_up = time.time() + wait
+    while True:
+        alive = []
+        for pid_file in run_dir.glob("daemon-*.pid"):
+            try:
+                pid = int(pid_file.read_text())
+                os.kill(pid, 0)
+                alive.append(pid)
+            except (OSError, ValueError):
+                pass
+        if not alive or time.time() > give_up:
+            break
+        time.sleep(0.2)
+    for pid in alive:
+        os.kill(pid, signal.SIGTERM)
+    return alive
+
+
+def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], events: list[dict]) -> list[dict]:
+    """One row per scheduled failure: when it hit, v*, steps lost, and the downtime (kill -> next commit)."""
+    restored = [e for e in events if e.get("event") == "restored"]
+    rows = []
+    for i, f in enumerate(schedule):
+        mine = [n for n in notes if n["index"] == i]
+        first = next((n for n in mine if n["kind"] != "double-then"), None)
+        if first is None:
+            rows.append({**f, "index": i, "hit": False})
+            continue
+        killed = first["time"] + first.get("delay", 0.0) if first.get("phase") == "timer" else first["time"]
+        last = max(mine, key=lambda n: n["time"])
+        after = last["time"] + (last.get("delay", 0.0) if last.get("phase") == "timer" else 0.0)
+        if f["kind"] == "daemon":  # training goes on: its next commit
+            nxt = next((p for p in progress if p["time"] > after), None)
+        else:  # the first commit of the restarted workers (a survivor may commit once after the kill)
+            nxt = next((p for p in progress if p["time"] > after and p.get("attempt", 0) > last["attempt"]), None)
+        row = {**f, "index": i, "hit": True, "after_step": first.get("after_step"), "killed_at": killed,
+               "downtime": (nxt["time"] - killed) if nxt else None}
+        if f["kind"] == "daemon":
+            row.update(v_star=None, steps_lost=0)  # training went on: nothing rolled back
+        else:  # the restore of the attempt after the last kill of this failure
+            attempt = last["attempt"] + 1
+            mine_r = [e for e in restored if e["attempt"] == attempt]
+            row.update(v_star=max((e["version"] for e in mine_r), default=None),
+                       steps_lost=max((e["steps_lost"] for e in mine_r), default=None),
+                       restore_seconds=max((e["restore_seconds"] for e in mine_r), default=None),
+                       source=sorted({e["source"] for e in mine_r}))
+        rows.append(row)
+    return rows
+
+
+def label(f: dict) -> str:
+    if f["kind"] == "rank":
+        return f"rank ({f['phase']})"
+    if f["kind"] == "double":
+        return f"two in a row ({f['phase']})"
+    return {"node": "node (2 ranks + daemon)", "daemon": "daemon alone"}[f["kind"]]
+
+
+def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = None) -> dict:
+    schedule, steps = draw_schedule(seed, failures, gap)
+    work = Path(work or tempfile.mkdtemp(prefix="ffstate-chaos-"))
+    failing, reference = work / "with-failures", work / "reference"
+    for d in (failing, reference):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    (work / "schedule.json").write_text(json.dumps(schedule, indent=1))
+    job, token, base = f"chaos-{secrets.token_hex(4)}", secrets.token_hex(16), free_ports(NODES)
+    run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job}"
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": str(NODES),
+           "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": token, "FFSTATE_BASE_PORT": str(base),
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    restarts = sum(2 if f["kind"] == "double" else f["kind"] != "daemon" for f in schedule) + 2
+    sampler = Sampler(run_dir, job, base, token)
+    sampler.start()
+    try:
+        wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json")], env, work / "with-failures.log",
+                         restarts, timeout)
+    finally:
+        left = _leftover_daemons(run_dir)
+        sampler.stopped.set()
+        sampler.join()
+        for kept in [*run_dir.glob("daemon-*.log"), run_dir / "events.jsonl"]:
+            if kept.exists():
+                shutil.copy(kept, failing / kept.name)
+    shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
+    exits = [int(m) for log in failing.glob("daemon-*.log")
+             for m in re.findall(r"exiting, (\d+) bytes accounted", log.read_text())]
+    ref_wall = _torchrun(reference, steps, ["--no-ffstate"], env, work / "reference.log", 0, timeout)
+    diffs = compare_runs(failing, reference, WORLD)
+    rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
+                        _jsonl(failing / "events.jsonl"))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"benchmark": "chaos", "environment": environment("cpu"), "seed": seed, "steps": steps, "gap": gap,
+            "schedule": schedule, "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
+            "reference_seconds": ref_wall, "step_seconds": ref_wall / steps, "bit_identical": not diffs,
+            "differences": diffs[:20], "daemons_left": left, "shm_left": shm_left,
+            "accounted_at_exit": exits, "work": str(work)}
+
+
+def summary(result: dict) -> dict:
+    """Per kind: count, steps lost (max), downtime (median, max); memory first/last per node."""
+    kinds: dict[str, list[dict]] = {}
+    for r in result["failures"]:
+        if r["hit"]:
+            kinds.setdefault(label(r), []).append(r)
+    per_kind = {k: {"count": len(rs), "steps_lost_max": max(r["steps_lost"] or 0 for r in rs),
+                    "steps_lost": [r["steps_lost"] for r in rs],
+                    "downtime_median": statistics.median(r["downtime"] for r in rs if r["downtime"] is not None),
+                    "downtime_max": max(r["downtime"] for r in rs if r["downtime"] is not None)}
+                for k, rs in sorted(kinds.items())}
+    memory = {}
+    for node in range(NODES):
+        s = [x for x in result["samples"] if x["node"] == node and x["rss"]]
+        acc = [x["accounted"] for x in s if x["accounted"] is not None]
+        memory[node] = {"rss_first": s[0]["rss"] if s else None, "rss_last": s[-1]["rss"] if s else None,
+                        "rss_max": max((x["rss"] for x in s), default=None),
+                        "accounted_first": acc[0] if acc else None, "accounted_last": acc[-1] if acc else None,
+                        "accounted_max": max(acc, default=None)}
+    return {"per_kind": per_kind, "memory": memory}
+
+
+def report(result: dict) -> str:
+    mb = lambda b: "-" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
+    rows = [[str(r["index"]), label(r), str(r.get("after_step", "-")), str(r.get("v_star") or "-"),
+             "-" if r.get("steps_lost") is None else str(r["steps_lost"]),
+             "-" if r.get("downtime") is None else f"{r['downtime']:.1f}"] for r in result["failures"] if r["hit"]]
+    out = [table(rows, ["#", "failure", "after step", "v*", "steps lost", "downtime s"]), ""]
+    s = result["summary"]
+    out.append(table([[k, str(v["count"]), ",".join(map(str, v["steps_lost"])), f"{v['downtime_median']:.1f}",
+                       f"{v['downtime_max']:.1f}"] for k, v in s["per_kind"].items()],
+                     ["kind", "failures", "steps lost each", "downtime median s", "downtime max s"]))
+    out.append("")
+    out.append(table([[f"node{n}", mb(m["rss_first"]), mb(m["rss_last"]), mb(m["rss_max"]), mb(m["accounted_first"]),
+                       mb(m["accounted_last"]), mb(m["accounted_max"])] for n, m in s["memory"].items()],
+                     ["daemon", "RSS first MB", "RSS last MB", "RSS max MB", "accounted first MB",
+                      "accounted last MB", "accounted max MB"]))
+    hit = sum(r["hit"] for r in result["failures"])
+    out.append(f"\n{hit} failures in {result['steps']} steps ({result['wall_seconds']:.0f} s; the same training "
+               f"without failures and without ffstate {result['reference_seconds']:.0f} s); "
+               f"{'bit-identical' if result['bit_identical'] else 'DIFFERENT: ' + str(result['differences'][:3])} "
+               f"to it; after the job: accounted bytes at each daemon's exit {result['accounted_at_exit']}, "
+               f"/dev/shm files left {len(result['shm_left'])}, daemons left {len(result['daemons_left'])}")
+    return "\n".join(out)
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    t0 = min((x["time"] for x in result["samples"]), default=0.0)
+    fig, axes = plt.subplots(3, 1, figsize=(11, 8), sharex=True)
+    for ax, key, title in zip(axes, ("rss", "accounted", "shm_bytes"),
+                              ("daemon RSS (MB)", "bytes accounted (MB)", "the job's /dev/shm (MB)")):
+        for node in range(NODES):
+            s = [x for x in result["samples"] if x["node"] == node and x[key] is not None]
+            ax.plot([x["time"] - t0 for x in s], [x[key] / 1e6 for x in s], ".", ms=2, label=f"node{node}")
+        for r in result["failures"]:
+            if r["hit"]:
+                ax.axvline(r["killed_at"] - t0, color="grey", lw=0.6, ls=":")
+        ax.set_ylabel(title)
+        ax.legend(loc="upper right", fontsize=7)
+    axes[0].set_title(f"chaos run, seed {result['seed']}: {sum(r['hit'] for r in result['failures'])} failures "
+                      "(dotted), memory per node")
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--failures", type=int, default=20, help="failures in the schedule (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
+    p.add_argument("--gap", type=int, default=4, help="steps between failures (default 4)")
+    p.add_argument("--timeout", type=float, default=1500.0, help="seconds the job may take (default 1500)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args.failures, args.seed, args.gap, args.timeout)
+    result["summary"] = summary(result)
+    publish(args.out, "chaos", result, report, plot)
+    return 0 if result["bit_identical"] else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    raise SystemExit(main(parser.parse_args()))
