@@ -9,11 +9,11 @@ trace when its collectives were on the wire: gloo's ``gloo:*`` events, which glo
 for the whole transfer, and NCCL's kernels on the GPU. The offsets from the commit of one profiled
 step (the one of median length), merged, are the **profiled timeline** (``ProfiledTimeline``). The
 worker writes it once into its slot header; the daemon's scheduler places it after each newest
-commit as its prediction of the step in progress (``scheduler.project``), as it does with the last
+commit as its prediction of the step in progress (``windows.project``), as it does with the last
 step's marks where there are marks.
 
 The profiler slows the profiled steps' compute (it records every operator: 6-10% a step for TinyGPT
-under gloo, which the daemon scales away, ``scheduler.project``); it is stopped after
+under gloo, which the daemon scales away, ``windows.project``); it is stopped after
 them and not run again in the process (the timeline stays with the model, and a restarted worker
 takes the one its slots hold). A profiler the user already runs takes precedence: ffstate then logs
 that it does without.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ffstate.scheduler import merge_intervals
+from ffstate.windows import merge_intervals
 
 log = logging.getLogger("ffstate.profiling")
 

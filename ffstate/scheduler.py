@@ -20,16 +20,11 @@ few milliseconds on the slowest link, so that they fit between collectives. When
 ``deadline`` versions behind, the scheduler stops waiting for windows and pacing (replication must
 stay within the lag, DESIGN.md I4), and counts and logs it.
 
-The pacing must not cost a step on a node loss: what a holder lacks (the rest of the version being
-sent and the versions taken after it) is due there before the workers' next commit (predicted from
-their commit marks: the newest plus the median step). It goes under the share and in the windows
-while that leaves time for it, at the rate pushes to that holder have had under pacing (holds
-included), faster than the share when the time left needs it, and past the windows, unpaced, once
-it would otherwise miss the commit (counted as ``rushes``). Without that, on a link whose
-replication takes most of a step (a 2.6 MB state on this loopback, 100-150 ms steps, the daemons
-sharing 2 cores with the training), the windows and the share held every holder at the deadline,
-3 versions behind: a node loss cost 3-4 steps in ``make demo`` where naive sending cost 0-1; with
-it, 1. ``Naive`` sends as soon as a version is captured, for comparison.
+The pacing must not cost a step on a node loss: what a holder lacks is due there before the workers'
+next commit (the newest commit plus the median step). It goes in the windows while that leaves time,
+at the rate pushes have had under pacing, and past them, unpaced, once it would miss the commit
+(``rushes``): without it every holder sat at the deadline and ``make demo``'s node loss cost 3-4 steps
+where naive sending cost 0-1. ``Naive`` sends as soon as a version is captured, for comparison.
 
 Both count what they did to the training (``Timeline``): each collective the workers marked, those
 that started while a chunk was, by the link's rate, still on the wire (a **collision**), and the
@@ -47,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ffstate.config import Config
+from ffstate.windows import merge_intervals, predicted_busy_until, project  # noqa: F401 (project: re-exported)
 
 # The training's collectives, as the workers mark them: (in flight now, recent (start, end) times, commit times).
 Busy = Callable[[], "tuple[int, list[tuple[float, float]], list[float]]"]
@@ -58,9 +54,8 @@ log = logging.getLogger("ffstate.scheduler")
 EWMA = 0.3  # weight of the newest push in the running link estimate
 CHUNK_SECONDS = 0.003  # a paced chunk takes about this long on the slowest link: it fits between collectives
 MIN_CHUNK = 32 << 10  # below this the per-chunk costs (a gRPC message, a segment's encoding) start to show
-# A measured estimate includes those per-chunk costs, so chunks cut to it would lower it further (a loop: on this
-# loopback 32 KiB chunks halve the rate a push reaches, 50 against 100 MB/s, and under the training's load the
-# measured "link" was 18 MB/s); where the link's rate is not given, chunks stay at least this large.
+# A measured estimate includes the per-chunk costs, so chunks cut to it lower it further (32 KiB chunks halve a
+# loopback push's rate, 50 against 100 MB/s): where the link's rate is not given, chunks stay this large.
 MEASURED_MIN_CHUNK = 256 << 10
 # The token bucket holds about one chunk: a chunk released goes into the socket's and the NIC queue's buffers
 # at once, and a collective that starts then waits behind everything queued there, so replication must
@@ -74,9 +69,8 @@ BURST_SECONDS = 0.005
 GUARD = 0.002
 POLL = 0.002  # seconds between looks at the training's marks while it is on the wire
 CATCH_UP = 2  # versions behind (taken, not yet at a holder) from which replication takes the whole link in windows
-# What a holder lacks is due there this long before the predicted next commit, its bytes counted at DUE_MARGIN
-# times their time at the link's rate: the node's other ranks push to the same holder meanwhile, and the pushes'
-# CPU competes with the training's (with 2x, make demo's node loss cost 1-2 steps; with 4x, 1 in 5 of 5 runs).
+# What a holder lacks is due this long before the next commit, its bytes at DUE_MARGIN times their time at the
+# link's rate (the node's other ranks share the link and the CPU; make demo's node loss: 2x cost 1-2 steps, 4x 1).
 DUE_GUARD = 0.01
 DUE_MARGIN = 4.0
 
@@ -271,22 +265,16 @@ class Scheduler:
             need = remaining * DUE_MARGIN / (link.estimate * max(link.paced, 0.05))
             if left is not None and need >= left:  # it would miss it: past the windows, unpaced
                 windows = capped = False
-                link.rushes += 1
-                if link.rushes == 1 or link.rushes % 1000 == 0:
-                    log.info("replication to %s: %d versions behind, %d bytes would miss the next commit in the "
-                             "windows: sent past them (%d chunks so far)", holder, behind, remaining, link.rushes)
+                _count(link, "rushes", 1000, logging.INFO, "replication to %s: %d versions behind, %d bytes would "
+                       "miss the next commit in the windows: sent past them", holder, behind, remaining)
             elif left is not None:  # faster than the share where the time left needs it
                 rate = min(link.estimate, max(rate, remaining * DUE_MARGIN / left))
         if CATCH_UP <= behind < self.deadline:
-            link.catch_ups += 1
-            if link.catch_ups == 1 or link.catch_ups % 1000 == 0:
-                log.info("replication to %s is %d versions behind: catching up at the link's whole rate in the "
-                         "training's windows (%d chunks so far)", holder, behind, link.catch_ups)
+            _count(link, "catch_ups", 1000, logging.INFO, "replication to %s is %d versions behind: catching up at "
+                   "the link's whole rate in the training's windows", holder, behind)
         if behind >= self.deadline:
-            link.overrides += 1
-            if link.overrides == 1 or link.overrides % 100 == 0:
-                log.warning("replication to %s is %d versions behind: sending past the training's windows "
-                            "(%d chunks so far)", holder, behind, link.overrides)
+            _count(link, "overrides", 100, logging.WARNING, "replication to %s is %d versions behind: sending past "
+                   "the training's windows", holder, behind)
         if capped:
             self._take_tokens(link, nbytes, rate)
         else:  # unpaced, as naive sending: a cap at the estimate would also keep the estimate from rising
@@ -366,50 +354,9 @@ class Scheduler:
             link.paced = (1 - EWMA) * link.paced + EWMA * max(seconds - held, 0.0) / seconds
 
 
-def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of the intervals, in order: the ranks of one node mark the same collective each."""
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(intervals):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def predicted_busy_until(start: float, end: float, intervals: list[tuple[float, float]], commits: list[float]
-                         ) -> float | None:
-    """When the training's predicted communication that overlaps [start, end) ends (None: it does not).
-
-    The last complete step's collectives (the intervals between the two newest commits), at the same
-    offsets after the newest commit, are the prediction for the step in progress.
-    """
-    if len(commits) < 2:
-        return None
-    prev, last = commits[-2], commits[-1]
-    period = last - prev
-    if period <= 0:
-        return None
-    for s, e in intervals:
-        if prev <= s < last:
-            for base in (last, last + period):  # this step, and the next one for a long chunk
-                ps, pe = base + (s - prev), base + (e - prev)
-                if ps < end and pe > start:
-                    return pe
-    return None
-
-
-def project(intervals: "tuple[tuple[float, float], ...]", period: float, commits: list[float]
-            ) -> list[tuple[float, float]]:
-    """A profiled timeline (``intervals``: offsets after a step's commit; ``period``: the step's length)
-    placed after the newest of ``commits`` and one step later: the predicted collectives of the step in
-    progress and of the next. Where two commits are known, the step is the last one's length and the
-    offsets are scaled to it: the profiler slowed the profiled steps' compute (by 6-10% for TinyGPT
-    under gloo), and a collective at the end of the backward would otherwise be predicted that much
-    late (15 ms in a 240 ms step)."""
-    if not commits:
-        return []
-    last = commits[-1]
-    step = last - commits[-2] if len(commits) > 1 and last > commits[-2] else period
-    scale = step / period
-    return [(base + s * scale, base + e * scale) for base in (last, last + step) for s, e in intervals]
+def _count(link: LinkState, counter: str, every: int, level: int, message: str, *args) -> None:
+    """Counts a chunk in ``link.<counter>``; logs the first and every ``every``-th."""
+    n = getattr(link, counter) + 1
+    setattr(link, counter, n)
+    if n == 1 or n % every == 0:
+        log.log(level, message + " (%d chunks so far)", *args, n)

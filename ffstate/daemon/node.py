@@ -28,7 +28,8 @@ from ffstate.errors import FFStateError, ReplicaError
 from ffstate.ids import ShardKey, check_id
 from ffstate.layout import Manifest
 from ffstate.reports import LinkReport, NodeReport, ProfiledReport, RazorReport, RestoreReport, ShardReport
-from ffstate.scheduler import Naive, Scheduler, merge_intervals, project
+from ffstate.scheduler import Naive, Scheduler
+from ffstate.windows import merge_intervals, project
 
 log = logging.getLogger("ffstate.daemon")
 

@@ -4,7 +4,8 @@ test_profiling.py."""
 
 import pytest
 
-from ffstate.scheduler import Naive, Scheduler, merge_intervals, predicted_busy_until, project
+from ffstate.scheduler import Naive, Scheduler
+from ffstate.windows import merge_intervals, predicted_busy_until, project
 
 
 class FakeClock:
