@@ -1,5 +1,5 @@
 """The pacing marks of a training's collectives (DESIGN.md section 4, step 3): DDP's gradient all-reduce as a
-communication hook, and FSDP2's all-gathers and reduce-scatters wrapped, each marking in the slot header
+communication hook and its buffer broadcast wrapped, and FSDP2's all-gathers and reduce-scatters wrapped, each marking in the slot header
 (``shm.CommMarks``) when it is on the wire. The arithmetic and the calls are the frameworks' own, so a run
 with the marks is bit for bit the run without them."""
 
@@ -29,6 +29,25 @@ def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and thi
         return f.value()[0]
 
     return fut.then(done)
+
+
+def mark_ddp_buffer_broadcast(model: torch.nn.Module, marks) -> bool:
+    """Marks DDP's broadcast of its buffers at the start of each forward (``broadcast_buffers``): a collective
+    like the gradient all-reduce, on the wire and waited in by every rank that reached it before the slowest;
+    the same call, wrapped on the instance. False where the installed torch lacks the seam."""
+    inner = getattr(model, "_distributed_broadcast_coalesced", None)
+    if inner is None:
+        return False
+
+    def marked(tensors, buffer_size, authoritative_rank=0):
+        started = marks.start()
+        try:
+            return inner(tensors, buffer_size, authoritative_rank)
+        finally:
+            marks.end(started)
+
+    model._distributed_broadcast_coalesced = marked
+    return True
 
 
 def _marked(marks, started: int, work):

@@ -83,6 +83,7 @@ def _comm_marks(model: torch.nn.Module, cfg: Config, rank: int) -> shm.CommMarks
     if cfg.scheduler == "windows" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         try:  # the scheduler's timeline: when DDP's gradient buckets are on the wire
             model.register_comm_hook((made, model.process_group), marks.marked_allreduce)
+            marks.mark_ddp_buffer_broadcast(model, made)
             model._ffstate_marks = made
         except (RuntimeError, ValueError) as e:
             log.warning("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
