@@ -38,26 +38,35 @@ import time
 from pathlib import Path
 
 from ffstate.bench._report import environment, free_ports, publish, pyplot, table
-from ffstate.demo.faults import PHASES
+from ffstate.demo.faults import HANG_PHASES, PHASES
 from ffstate.testing.bitwise import compare_runs
 
 WORLD, NODES = 4, 2
 WARMUP = 3  # steps before the first failure
 SAMPLE = 0.25  # seconds between memory samples
+# With hangs in the schedule: the watchdog's deadline floor and first-steps allowance for the job (seconds; the
+# defaults, 60 and 600, are for real jobs' step times and would make each hang here cost a minute).
+HANG_FLOOR, HANG_STARTUP = 5.0, 30.0
 
 
-def draw_schedule(seed: int, failures: int, gap: int) -> tuple[list[dict], int]:
-    """``failures`` failures, every kind at least once where there are four or more, ``gap`` steps apart (twice
-    that after a daemon's loss: its replacement is re-seeded with full versions); returns them and the steps
-    the job needs."""
+def draw_schedule(seed: int, failures: int, gap: int, hangs: int = 0) -> tuple[list[dict], int]:
+    """``failures`` failures, every kind at least once where there are four or more, and ``hangs`` hangs, ``gap``
+    steps apart (twice that after a daemon's loss, whose replacement is re-seeded with full versions, and after a
+    hang; two more before a hang, so that the watchdog knows the step since the last restart); returns them and the
+    steps the job needs."""
     rng = random.Random(seed)
     kinds = ["rank", "node", "daemon", "double"][:failures]
     kinds += rng.choices(["rank", "node", "daemon", "double"], weights=[5, 2, 2, 1], k=failures - len(kinds))
+    kinds += ["hang"] * hangs
     rng.shuffle(kinds)
     out, step = [], WARMUP
     for kind in kinds:
-        step += gap * (2 if out and out[-1]["kind"] == "daemon" else 1)
+        step += gap * (2 if out and out[-1]["kind"] in ("daemon", "hang") else 1) + (2 if kind == "hang" else 0)
         f: dict = {"kind": kind, "step": step}
+        if kind == "hang":
+            f["rank"], f["phase"] = rng.randrange(WORLD), rng.choice(HANG_PHASES)
+            out.append(f)
+            continue
         if kind in ("rank", "double"):
             f["rank"] = rng.randrange(WORLD)
             f["phase"] = rng.choice(PHASES)
@@ -167,13 +176,13 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
         killed = first["time"] + first.get("delay", 0.0) if first.get("phase") == "timer" else first["time"]
         last = max(mine, key=lambda n: n["time"])
         after = last["time"] + (last.get("delay", 0.0) if last.get("phase") == "timer" else 0.0)
-        if f["kind"] == "daemon":  # training goes on: its next commit
+        if f["kind"] in ("daemon", "slow", "pause", "straggler"):  # training goes on: its next commit
             nxt = next((p for p in progress if p["time"] > after), None)
         else:  # the first commit of the restarted workers (a survivor may commit once after the kill)
             nxt = next((p for p in progress if p["time"] > after and p.get("attempt", 0) > last["attempt"]), None)
         row = {**f, "index": i, "hit": True, "after_step": first.get("after_step"), "killed_at": killed,
                "downtime": (nxt["time"] - killed) if nxt else None}
-        if f["kind"] == "daemon":
+        if f["kind"] in ("daemon", "slow", "pause", "straggler"):
             row.update(v_star=None, steps_lost=0)  # training went on: nothing rolled back
         else:  # the restore of the attempt after the last kill of this failure
             attempt = last["attempt"] + 1
@@ -191,11 +200,22 @@ def label(f: dict) -> str:
         return f"rank ({f['phase']})"
     if f["kind"] == "double":
         return f"two in a row ({f['phase']})"
-    return {"node": "node (2 ranks + daemon)", "daemon": "daemon alone"}[f["kind"]]
+    if f["kind"] == "hang":
+        return f"hang ({f['phase']})"
+    return {"node": "node (2 ranks + daemon)", "daemon": "daemon alone"}.get(f["kind"], f["kind"])
 
 
-def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = None) -> dict:
-    schedule, steps = draw_schedule(seed, failures, gap)
+def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = None, hangs: int = 0,
+        hang_floor: float = HANG_FLOOR) -> dict:
+    schedule, steps = draw_schedule(seed, failures, gap, hangs)
+    env = {"FFSTATE_HANG_FLOOR": str(hang_floor), "FFSTATE_HANG_STARTUP": str(HANG_STARTUP)} if hangs else {}
+    return {**run_schedule(schedule, steps, timeout, work, env), "seed": seed, "gap": gap, "hang_floor": hang_floor}
+
+
+def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | None = None,
+                 env: dict | None = None) -> dict:
+    """The job under ``schedule`` (``demo/faults.py``) for ``steps`` steps, then without failures and without
+    ffstate, compared bit for bit; ``env``: more variables for the job (``FFSTATE_*`` knobs)."""
     work = Path(work or tempfile.mkdtemp(prefix="ffstate-chaos-"))
     failing, reference = work / "with-failures", work / "reference"
     for d in (failing, reference):
@@ -206,8 +226,8 @@ def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = 
     run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job}"
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": str(NODES),
            "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": token, "FFSTATE_BASE_PORT": str(base),
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    restarts = sum(2 if f["kind"] == "double" else f["kind"] != "daemon" for f in schedule) + 2
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    restarts = sum({"double": 2, "rank": 1, "node": 1, "hang": 1}.get(f["kind"], 0) for f in schedule) + 2
     sampler = Sampler(run_dir, job, base, token)
     sampler.start()
     try:
@@ -217,7 +237,7 @@ def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = 
         left = _leftover_daemons(run_dir)
         sampler.stopped.set()
         sampler.join()
-        for kept in [*run_dir.glob("daemon-*.log"), run_dir / "events.jsonl"]:
+        for kept in [*run_dir.glob("daemon-*.log"), *run_dir.glob("stacks-rank*.txt"), run_dir / "events.jsonl"]:
             if kept.exists():
                 shutil.copy(kept, failing / kept.name)
     shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
@@ -228,8 +248,7 @@ def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = 
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
                         _jsonl(failing / "events.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"benchmark": "chaos", "environment": environment("cpu"), "seed": seed, "steps": steps, "gap": gap,
-            "schedule": schedule, "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
+    return {"benchmark": "chaos", "environment": environment("cpu"), "steps": steps, "schedule": schedule, "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
             "reference_seconds": ref_wall, "step_seconds": ref_wall / steps, "bit_identical": not diffs,
             "differences": diffs[:20], "daemons_left": left, "shm_left": shm_left,
             "accounted_at_exit": exits, "work": str(work)}
@@ -278,6 +297,10 @@ def report(result: dict) -> str:
                f"{'bit-identical' if result['bit_identical'] else 'DIFFERENT: ' + str(result['differences'][:3])} "
                f"to it; after the job: accounted bytes at each daemon's exit {result['accounted_at_exit']}, "
                f"/dev/shm files left {len(result['shm_left'])}, daemons left {len(result['daemons_left'])}")
+    if any(r["kind"] == "hang" for r in result["failures"]):
+        out.append(f"a hang's downtime: the watchdog's deadline (floor {result.get('hang_floor', HANG_FLOOR):g} s "
+                   "here; by default 10 median steps within [60, 600] s) and a restart; without it the job waits "
+                   "the process group's timeout (30 min for gloo, 10 for NCCL) and then restarts")
     return "\n".join(out)
 
 
@@ -310,12 +333,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--failures", type=int, default=20, help="failures in the schedule (default 20)")
     p.add_argument("--seed", type=int, default=0, help="the schedule's seed (default 0)")
     p.add_argument("--gap", type=int, default=4, help="steps between failures (default 4)")
+    p.add_argument("--hangs", type=int, default=0, help="hangs in the schedule besides the failures (default 0): a "
+                   "rank asleep in its own code or stuck in a receive, found by its node's watchdog")
+    p.add_argument("--hang-floor", type=float, default=HANG_FLOOR,
+                   help=f"the watchdog's deadline floor for the job, seconds (default {HANG_FLOOR:g})")
     p.add_argument("--timeout", type=float, default=1500.0, help="seconds the job may take (default 1500)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
 def main(args: argparse.Namespace) -> int:
-    result = run(args.failures, args.seed, args.gap, args.timeout)
+    result = run(args.failures, args.seed, args.gap, args.timeout, hangs=args.hangs, hang_floor=args.hang_floor)
     result["summary"] = summary(result)
     publish(args.out, "chaos", result, report, plot)
     return 0 if result["bit_identical"] else 1

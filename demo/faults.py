@@ -9,7 +9,15 @@ The schedule is a JSON list, one failure each, in step order (``ffstate bench ch
 - ``{"kind": "node", "step": S, "node": N}``: node N's daemon and every rank of it, after every rank committed S;
 - ``{"kind": "daemon", "step": S, "node": N}``: only node N's daemon, after S; training goes on;
 - ``{"kind": "double", "step": S, "rank": R, "phase": P, "then": R2}``: rank R as above, and when the group
-  restarted, rank R2 right after its restore, before its first step (two in a row).
+  restarted, rank R2 right after its restore, before its first step (two in a row);
+- ``{"kind": "hang", "step": S, "rank": R, "phase": P}``: rank R hangs as step S begins, for ever: ``mid-step``
+  (asleep in its own code; the others wait in the step's all-reduce) or ``collective`` (in a receive that no
+  rank answers); the node's daemon is to find it (``daemon/watchdog.py``);
+- ``{"kind": "slow", "step": S, "rank": R, "seconds": X}``: rank R's step S takes X seconds longer, once;
+- ``{"kind": "pause", "step": S, "seconds": X}``: after committing S, every rank spends X seconds inside
+  ``ff.pause()`` (an evaluation, say);
+- ``{"kind": "straggler", "step": S, "rank": R, "seconds": X, "until": U}``: from step S (to U, excluded, if
+  given), rank R computes X seconds longer every step.
 
 Each failure happens once (a marker file per index in the output folder, so torchrun's restarts do not
 repeat it) and is noted in ``failures.jsonl`` with its wall time; rank 0 notes each commit in
@@ -26,10 +34,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
-KINDS = ("rank", "node", "daemon", "double")
+KINDS = ("rank", "node", "daemon", "double")  # the failures the chaos run draws from
 PHASES = ("after-commit", "mid-step", "mid-commit", "timer")
+HANG_PHASES = ("mid-step", "collective")
 
 
 class Faults:
@@ -39,6 +49,7 @@ class Faults:
                  kill_daemon: Callable[[int], None]):
         self.schedule, self.out, self.rank, self.per_node = schedule, out, rank, per_node
         self.kill_daemon = kill_daemon
+        self.pause: Callable | None = None  # ff.pause, once the job entered ffstate.replicate
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, dict]]:
@@ -80,6 +91,20 @@ class Faults:
             if self._mine(f) and f["phase"] == "timer" and self._once(i):
                 self._note(i, f, killed=self.rank, after_step=step - 1)
                 threading.Timer(f["delay"], self._die).start()
+        for i, f in enumerate(self.schedule):
+            if f["kind"] == "straggler" and self._mine(f) and f["step"] <= step < f.get("until", 1 << 62):
+                time.sleep(f["seconds"])
+        for i, f in self._due(step, ("slow", "hang")):
+            if not (self._mine(f) and self._once(i)):
+                continue
+            self._note(i, f, after_step=step - 1)
+            if f["kind"] == "slow":
+                time.sleep(f["seconds"])
+            elif f["phase"] == "collective":  # a receive nobody answers: stuck inside the process group
+                dist.recv(torch.zeros(1), src=(self.rank + 1) % dist.get_world_size())
+            else:
+                while True:  # stuck in its own code
+                    time.sleep(3600)
 
     def mid_step(self, step: int, phase: str, arm: Callable[[Callable[[], None]], None] | None = None) -> None:
         """After the backward (``mid-step``: dies now) or before the optimizer's step (``mid-commit``: ``arm``
@@ -97,6 +122,13 @@ class Faults:
         if self.rank == 0:
             with open(self.out / "progress.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}) + "\n")
+        for i, f in self._due(step, ("pause",)):
+            dist.barrier()
+            if self.rank == 0 and self._once(i):
+                self._note(i, f, after_step=step)
+            assert self.pause is not None, "a pause needs ff.pause"
+            with self.pause():
+                time.sleep(f["seconds"])
         due = self._due(step, KINDS)
         if not due:
             return

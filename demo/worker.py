@@ -157,6 +157,7 @@ def main() -> None:
     else:
         with ffstate.replicate(model, opt, lr_scheduler=sched, extra=extra) as ff:
             if faults is not None:
+                faults.pause = ff.pause
                 faults.entered()
             for step in range(ff.start_step, a.steps):
                 step_fn(step)

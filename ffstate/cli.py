@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -120,12 +121,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         console.print(razor)
     _local_table(console, rows, "restore", "restores (what each rank's workers recorded in its slots: the newest)",
                  ("restores", "to step (v*)", "steps lost", "restore s", "from entry s"),
-                 lambda r: (str(r.restores), str(r.version), str(r.steps_lost), f"{r.seconds:.3f}",
+                 lambda r, _: (str(r.restores), str(r.version), str(r.steps_lost), f"{r.seconds:.3f}",
                             f"{r.entry_seconds:.2f}"))
+    computes = {key: s.watch.compute_seconds for _, _, s, key in rows
+                if s.local and s.HasField("watch") and s.watch.compute_seconds}
+    job_median = {job: statistics.median(v for k, v in computes.items() if k[0] == job) for job, *_ in computes}
+    _local_table(console, rows, "watch",
+                 "watchdog (hang deadline from each rank's commits; stragglers by compute a step, waits excluded)",
+                 ("pid", "step s", "compute s", "x node", "x job", "since s", "deadline s", "hangs"),
+                 lambda w, key: (str(w.pid), f"{w.step_seconds:.3f}", f"{w.compute_seconds:.3f}",
+                                 f"{w.straggler_ratio:.2f}" if w.straggler_ratio else "-",
+                                 f"{w.compute_seconds / job_median[key[0]]:.2f}"
+                                 if w.compute_seconds and job_median.get(key[0]) else "-",
+                                 "paused" if w.paused else f"{w.since_seconds:.1f}", f"{w.deadline_seconds:.0f}",
+                                 f"[red]{w.hangs}[/red]" if w.hangs else "0"))
     _local_table(console, rows, "profiled",
                  "profiled timelines (ranks whose collectives nothing marks: the scheduler predicts from these)",
                  ("steps profiled", "collectives a step", "step s", "on the wire s", "share"),
-                 lambda t: (str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}", f"{t.busy_seconds:.3f}",
+                 lambda t, _: (str(t.steps), str(t.collectives), f"{t.period_seconds:.3f}", f"{t.busy_seconds:.3f}",
                             f"{t.busy_seconds / t.period_seconds:.2f}"))
     links = Table(title="replication links (scheduler)")
     for col in ("daemon", "scheduler", "holder", "estimate MB/s", "share", "held s", "catch-ups", "rushes", "deadline overrides",
@@ -193,6 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
                         "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "
                         "default 0)")
+    p.add_argument("--hang-action", choices=("kill", "log", "off"), default="kill",
+                   help="when a local rank has not committed within its deadline: write its stacks, then kill the "
+                        "job's local ranks so that torchrun restarts them (kill, default), or only log (log), or "
+                        "watch nothing (off)")
+    p.add_argument("--hang-multiple", type=float, default=10.0, metavar="X",
+                   help="a rank's deadline: this many of its median steps (default 10) ...")
+    p.add_argument("--hang-floor", type=float, default=60.0, metavar="SECONDS", help="... at least this (default 60)")
+    p.add_argument("--hang-ceiling", type=float, default=600.0, metavar="SECONDS",
+                   help="... at most this (default 600)")
+    p.add_argument("--hang-startup", type=float, default=600.0, metavar="SECONDS",
+                   help="the deadline until a rank's third commit after it attached (default 600)")
+    p.add_argument("--straggler-ratio", type=float, default=1.5, metavar="X",
+                   help="warn about a rank whose compute a step stays above X times its node's median (default 1.5)")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")
@@ -244,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _local_table(console, rows: list, field: str, title: str, columns: tuple[str, ...], cells) -> None:
-    """Prints a table of the local ranks whose ShardInfo has ``field`` set: job, rank, then ``cells`` of it."""
+    """Prints a table of the local ranks whose ShardInfo has ``field`` set: job, rank, then ``cells(it, key)``."""
     from rich.table import Table
 
     table = Table(title=title)
@@ -252,7 +278,7 @@ def _local_table(console, rows: list, field: str, title: str, columns: tuple[str
         table.add_column(col, justify="left" if col == "job" else "right")
     for _, _, s, key in rows:
         if s.local and s.HasField(field):
-            table.add_row(key[0], f"{key[1]}/{key[2]}", *cells(getattr(s, field)))
+            table.add_row(key[0], f"{key[1]}/{key[2]}", *cells(getattr(s, field), key))
     if table.row_count:
         console.print(table)
 

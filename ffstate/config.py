@@ -20,6 +20,7 @@ KERNEL_CHOICES = ("auto", "triton", "torch")
 LAG_POLICIES = ("block", "skip")
 RAZOR_CHOICES = ("auto", "off")
 SCHEDULERS = ("windows", "naive")
+HANG_ACTIONS = ("kill", "log", "off")
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,20 @@ class Config:
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.
+        hang_action: what the node's daemon does when a local rank has not committed within its
+            deadline (``watchdog.py``): ``kill`` (its stacks written, then every local rank of the job
+            SIGKILLed, so that torchrun restarts the group and it restores from its slots), ``log``
+            (the stacks and a warning only) or ``off``.
+        hang_multiple, hang_floor, hang_ceiling: a rank's deadline is ``hang_multiple`` times its
+            median step, at least ``hang_floor`` and at most ``hang_ceiling`` seconds.
+        hang_startup: the deadline (seconds) until a rank's third commit after it attached: the first
+            steps after a start or a restore (compilation, the DDP shadow step, a data loader's
+            workers) take their own time.
+        pause_limit: how long ``ff.pause()`` declares non-training work (an evaluation, a checkpoint)
+            to last at most, by default; the deadline counts from its end.
+        straggler_ratio: a rank whose compute time a step (the step less its wait in the
+            collectives) stays above this multiple of its node's median is warned about as a
+            straggler (reported, never acted on).
     """
 
     chunk_bytes: int = 1 << 20
@@ -113,8 +128,16 @@ class Config:
     link_share: float = 0.5
     link_bandwidth: str = ""
     metrics_port: int = 0
+    hang_action: str = "kill"
+    hang_multiple: float = 10.0
+    hang_floor: float = 60.0
+    hang_ceiling: float = 600.0
+    hang_startup: float = 600.0
+    pause_limit: float = 3600.0
+    straggler_ratio: float = 1.5
 
     def __post_init__(self) -> None:
+        check_hang(self)
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.codec_threads < 0:
@@ -178,6 +201,19 @@ def _host_name() -> str:
     return socket.gethostname().split(".")[0] or "node"
 
 
+def check_hang(cfg: "Config | DaemonConfig") -> None:
+    """The watchdog's knobs, refused at once when they cannot work."""
+    if cfg.hang_action not in HANG_ACTIONS:
+        raise ValueError(f"hang_action must be one of {HANG_ACTIONS}, got {cfg.hang_action!r}")
+    if not (cfg.hang_multiple > 1 and 0 < cfg.hang_floor <= cfg.hang_ceiling and cfg.hang_startup > 0):
+        raise ValueError(f"hang_multiple > 1, 0 < hang_floor <= hang_ceiling, hang_startup > 0; got "
+                         f"{cfg.hang_multiple}, {cfg.hang_floor}, {cfg.hang_ceiling}, {cfg.hang_startup}")
+    if not cfg.straggler_ratio > 1:
+        raise ValueError(f"straggler_ratio must be > 1, got {cfg.straggler_ratio}")
+    if getattr(cfg, "pause_limit", 1.0) <= 0:
+        raise ValueError(f"pause_limit must be > 0 seconds, got {cfg.pause_limit}")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
@@ -208,8 +244,16 @@ class DaemonConfig:
     push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off
     staged_timeout: float = 300.0  # seconds a pushed version may wait for its Commit before it is discarded
     nice: int | str = 0  # the process's CPU priority: a niceness 0-19, or "idle" (SCHED_IDLE)
+    # The watchdog (watchdog.py; Config's fields of the same names say what each does)
+    hang_action: str = "kill"
+    hang_multiple: float = 10.0
+    hang_floor: float = 60.0
+    hang_ceiling: float = 600.0
+    hang_startup: float = 600.0
+    straggler_ratio: float = 1.5
 
     def __post_init__(self) -> None:
+        check_hang(self)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if not 0 < self.link_share <= 1:

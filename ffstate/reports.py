@@ -48,6 +48,20 @@ class ProfiledReport:
 
 
 @dataclass
+class WatchReport:
+    """WatchInfo: a local rank as the daemon's watchdog sees it."""
+
+    step_seconds: float
+    compute_seconds: float
+    since_seconds: float
+    deadline_seconds: float
+    paused: bool
+    hangs: int
+    straggler_ratio: float
+    pid: int
+
+
+@dataclass
 class ShardReport:
     """ShardInfo: one shard a daemon holds, a local rank's (its slots) or a replica."""
 
@@ -66,6 +80,7 @@ class ShardReport:
     profiled: ProfiledReport | None = None
     staged_version: int = 0  # a replica's version pushed and not yet committed (0: none)
     staged_bytes: int = 0
+    watch: WatchReport | None = None
     # For the metrics only (not in ShardInfo): a local rank's versions read from its slots, not yet on every
     # holder, and the raw bytes of the versions it sent (over ``pushed_bytes``: the compression ratio).
     queue_versions: int = field(default=0, metadata=LOCAL)

@@ -10,9 +10,13 @@ shared-memory slot (one copy) and checks the replication lag; a clean exit waits
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import logging
+import os
+import signal
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -46,7 +50,9 @@ def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_sched
         config: knobs; default ``Config.from_env()`` (``FFSTATE_*`` variables).
 
     Returns:
-        The context manager; use ``with ... as ff`` and ``ff.start_step`` / ``ff.commit(step)``.
+        The context manager; use ``with ... as ff`` and ``ff.start_step`` / ``ff.commit(step)``; ``ff.pause()``
+        around work between commits that is not a step (an evaluation), which the node's watchdog must not
+        take for a hang.
     """
     return Replicated(model, optimizer, lr_scheduler, extra, config or Config.from_env())
 
@@ -65,6 +71,8 @@ class Replicated:
         self._writer: SlotWriter | None = None
         self._last = 0
         self._t0 = time.perf_counter()
+        self._paused_until = 0.0
+        self._stacks = None  # the file faulthandler writes this process's stacks to, on the watchdog's SIGUSR1
 
     @property
     def global_committed(self) -> int:
@@ -84,6 +92,7 @@ class Replicated:
         self.razor = RazorVerifier(job, groups)
         self.pacing = PacingSignals(self.model, self.cfg, job.rank, job.world, bool(self.holders))
         self.lag = LagWatch(job, lambda: self.daemon, self._daemon_lost)
+        self._register_stacks()
         log.info("rank %d: razor: %s", job.rank, groups.reason if groups else razor.why_not(job.world, self.cfg))
         got = recovery.restore(job, self.daemon, self.holders, groups.ranks if groups else (), self._load, self._t0)
         if got is not None:  # the slots' versions past v* go at attach: the steps about to be redone
@@ -133,7 +142,43 @@ class Replicated:
                 log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
         self._close()
 
+    def _register_stacks(self) -> None:
+        """Every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder on SIGUSR1, which the node's
+        daemon sends before it kills a hung rank (``daemon/watchdog.py``); not where the process handles SIGUSR1
+        already."""
+        if self.cfg.hang_action == "off":
+            return
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            log.warning("rank %d: SIGUSR1 has a handler already: a hang will be acted on without this rank's stacks",
+                        self.rank)
+            return
+        path = self.job.run_dir / f"stacks-rank{self.rank}.txt"
+        self._stacks = open(path, "a")
+        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
+
+    @contextlib.contextmanager
+    def pause(self, seconds: float | None = None) -> Iterator[None]:
+        """Declares work between commits that is not a training step (an evaluation, a checkpoint, a long data
+        reshuffle): the node's daemon does not take the silence for a hang while it lasts, up to ``seconds``
+        (default ``Config.pause_limit``, an hour); its deadline counts again from the end."""
+        limit = self.cfg.pause_limit if seconds is None else seconds
+        if not limit > 0:
+            raise FFStateError(f"pause(seconds={seconds!r}): seconds must be > 0")
+        self._paused_until = time.time() + limit
+        if self._slots is not None:
+            self._slots.set_paused(self._paused_until)
+        try:
+            yield
+        finally:
+            self._paused_until = 0.0
+            if self._slots is not None:
+                self._slots.set_paused(0.0)
+
     def _close(self) -> None:
+        if self._stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks.close()
+            self._stacks = None
         self.pacing.close()
         if self._slots is not None:
             self._slots.close()
@@ -188,6 +233,9 @@ class Replicated:
         if self._restore_report is not None:
             self._slots.record_restore(*self._restore_report)
             self._restore_report = None
+        self._slots.set_worker(os.getpid(), self._stacks.name if self._stacks is not None else "")
+        if self._paused_until:
+            self._slots.set_paused(self._paused_until)
         self.pacing.attach(self._slots)
 
     def _detach(self) -> None:

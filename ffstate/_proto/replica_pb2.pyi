@@ -153,7 +153,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled", "staged_version", "staged_bytes")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled", "staged_version", "staged_bytes", "watch")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class ShardInfo(_message.Message):
     PROFILED_FIELD_NUMBER: _ClassVar[int]
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WATCH_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -184,7 +185,28 @@ class ShardInfo(_message.Message):
     profiled: ProfiledInfo
     staged_version: int
     staged_bytes: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
+    watch: WatchInfo
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., watch: _Optional[_Union[WatchInfo, _Mapping]] = ...) -> None: ...
+
+class WatchInfo(_message.Message):
+    __slots__ = ("step_seconds", "compute_seconds", "since_seconds", "deadline_seconds", "paused", "hangs", "straggler_ratio", "pid")
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    HANGS_FIELD_NUMBER: _ClassVar[int]
+    STRAGGLER_RATIO_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    step_seconds: float
+    compute_seconds: float
+    since_seconds: float
+    deadline_seconds: float
+    paused: bool
+    hangs: int
+    straggler_ratio: float
+    pid: int
+    def __init__(self, step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., since_seconds: _Optional[float] = ..., deadline_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., hangs: _Optional[int] = ..., straggler_ratio: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class ProfiledInfo(_message.Message):
     __slots__ = ("steps", "collectives", "period_seconds", "busy_seconds")

@@ -94,7 +94,9 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
         memory_limit=parse_bytes(cfg.daemon_memory_limit) if cfg.daemon_memory_limit else 0,
         scheduler=cfg.scheduler, link_share=cfg.link_share,
         link_bandwidth=parse_bytes(cfg.link_bandwidth) if cfg.link_bandwidth else 0,
-        metrics_port=cfg.metrics_port + node if cfg.metrics_port else 0)
+        metrics_port=cfg.metrics_port + node if cfg.metrics_port else 0, hang_action=cfg.hang_action,
+        hang_multiple=cfg.hang_multiple, hang_floor=cfg.hang_floor, hang_ceiling=cfg.hang_ceiling,
+        hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio)
 
 
 def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> None:

@@ -54,8 +54,27 @@ class ReportCollector(Collector):
         held = GaugeMetricFamily("ffstate_replica_bytes", "Memory of the replicas this daemon holds", labels=shard)
         version = GaugeMetricFamily("ffstate_replica_version", "Newest version of a held replica", labels=shard)
         staged = GaugeMetricFamily("ffstate_staged_bytes", "Memory of a pushed version not yet committed", labels=shard)
+        hangs = CounterMetricFamily("ffstate_hangs", "Hangs the watchdog declared on a local rank", labels=shard)
+        step = GaugeMetricFamily("ffstate_step_seconds", "A local rank's median step, commit to commit", labels=shard)
+        compute = GaugeMetricFamily("ffstate_compute_seconds",
+                                    "A local rank's median step less its wait in the collectives", labels=shard)
+        since = GaugeMetricFamily("ffstate_seconds_since_commit",
+                                  "Since a local rank's newest commit, attach or end of a pause (0 while paused)",
+                                  labels=shard)
+        deadline = GaugeMetricFamily("ffstate_hang_deadline_seconds", "A local rank is declared hung past this",
+                                     labels=shard)
+        straggler = GaugeMetricFamily("ffstate_straggler_ratio",
+                                      "A local rank's compute a step over the median of its node's other ranks",
+                                      labels=shard)
         for s in rep.shards:
             labels = [node, s.shard.job_id, str(s.shard.rank)]
+            if s.local and s.watch is not None:
+                hangs.add_metric(labels, s.watch.hangs)
+                step.add_metric(labels, s.watch.step_seconds)
+                compute.add_metric(labels, s.watch.compute_seconds)
+                since.add_metric(labels, s.watch.since_seconds)
+                deadline.add_metric(labels, s.watch.deadline_seconds)
+                straggler.add_metric(labels, s.watch.straggler_ratio)
             if not s.local:
                 held.add_metric(labels, s.bytes)
                 version.add_metric(labels, s.version)
@@ -77,6 +96,7 @@ class ReportCollector(Collector):
                 replicated.add_metric(labels, s.razor.shard_bytes)
                 verified.add_metric(labels, s.razor.verifications)
                 mismatched.add_metric(labels, s.razor.mismatches)
+        yield from (hangs, step, compute, since, deadline, straggler)
         yield from (sent, versions, lag, ratio, queue, state, replicated, verified, mismatched, restores,
                     restore_seconds, restore_version, restore_lost)
 

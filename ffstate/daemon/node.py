@@ -24,10 +24,12 @@ from ffstate.codec import Packed, Snapshot
 from ffstate.config import DaemonConfig
 from ffstate.daemon.replicator import LocalShard, Pacer, Replicator
 from ffstate.daemon.store import IncomingChunk, Store
+from ffstate.daemon.watchdog import Watchdog
 from ffstate.errors import FFStateError, ReplicaError
 from ffstate.ids import ShardKey, check_id
 from ffstate.layout import Manifest
-from ffstate.reports import LinkReport, NodeReport, ProfiledReport, RazorReport, RestoreReport, ShardReport
+from ffstate.reports import (LinkReport, NodeReport, ProfiledReport, RazorReport, RestoreReport, ShardReport,
+                             WatchReport)
 from ffstate.scheduler import Naive, Scheduler
 from ffstate.windows import merge_intervals, project
 
@@ -73,6 +75,8 @@ class Node:
         self.refusals: collections.Counter[str] = collections.Counter()  # by gRPC status name
         for path in shm.reclaim(cfg.node_id):  # a killed daemon of this node left them in /dev/shm (memory)
             log.warning("removed %s, left by a daemon of node %s that is gone", path, cfg.node_id)
+        self.watchdog = Watchdog(cfg, lambda: [(s.key, s.slots) for s in self._shards()])
+        self.watchdog.start()
         self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
@@ -288,7 +292,7 @@ class Node:
         for key, s in local:
             if job_id and key.job_id != job_id:
                 continue
-            shards.append(_local_report(key, s))
+            shards.append(_local_report(key, s, self.watchdog.report(key)))
         for r in self.store.inventory(job_id):
             shards.append(ShardReport(r["key"], False, r["version"], list(r["versions"]), r["bytes"], r["updated"],
                                       r["source"], staged_version=r.get("staged_version", 0),
@@ -311,6 +315,7 @@ class Node:
                         version, self.cfg.staged_timeout)
 
     def close(self) -> None:
+        self.watchdog.close()
         with self._lock:
             shards = list(self.local.values())
             self.local.clear()
@@ -321,7 +326,7 @@ class Node:
         self.replicator.shutdown()
 
 
-def _local_report(key: ShardKey, s: LocalShard) -> ShardReport:
+def _local_report(key: ShardKey, s: LocalShard, watch: WatchReport | None = None) -> ShardReport:
     done = s.slots.committed()
     razor = None
     if s.razor is not None:  # what the worker said at attach, with the counters it keeps in its slots
@@ -336,7 +341,7 @@ def _local_report(key: ShardKey, s: LocalShard) -> ShardReport:
     return ShardReport(key, True, done[0][0] if done else 0, sorted({v for v, _ in done} | set(back), reverse=True),
                        s.reserved, s.last_push, str(s.paths[0].parent), s.replicated_version, razor, s.pushed_bytes,
                        s.pushed_versions, restore, profiled, queue_versions=max(0, s.base_version - s.replicated_version),
-                       pushed_raw_bytes=s.pushed_raw_bytes)
+                       pushed_raw_bytes=s.pushed_raw_bytes, watch=watch)
 
 
 def copy_verified(slots: shm.Slots, version: int = 0) -> tuple[int, Snapshot] | None:

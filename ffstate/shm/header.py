@@ -16,6 +16,7 @@ PAGE = 4096
 COMM_RING = 48  # (start, end) pairs of the newest collectives a worker marked
 BELL_NAME_MAX = 256  # bytes of the doorbell's name (a Unix socket's abstract address has room for 107)
 TIMELINE_MAX = 64  # intervals of a profiled timeline the header holds
+STACKS_PATH_MAX = 512  # bytes of the path a worker's stacks are written to
 
 _u64, _i64, _f64 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_double
 
@@ -81,6 +82,15 @@ class Header(ctypes.LittleEndianStructure):
         ("timeline_count", _u64),
         ("timeline_period", _f64),
         ("timeline", Span * TIMELINE_MAX),
+        # Worker, slot 0 (at attach): its process, so that its node's daemon can ask it for its stacks (SIGUSR1) and
+        # kill it when it hangs (watchdog.py); the wall-clock time of its last sign of life other than a commit
+        # (the attach, the end of a declared pause); the end of a declared pause in progress (0: none); the file
+        # its stacks go to.
+        ("worker_pid", _u64),
+        ("alive_ns", _u64),
+        ("paused_until_ns", _u64),
+        ("stacks_len", _u64),
+        ("stacks_path", ctypes.c_char * STACKS_PATH_MAX),
     ]
 
 

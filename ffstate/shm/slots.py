@@ -38,6 +38,7 @@ from ffstate.layout import Manifest
 from ffstate.profiling import ProfiledTimeline
 from ffstate.shm.doorbell import Bell
 from ffstate.shm.header import BELL_NAME_MAX, COMM_RING, MAGIC, PAGE, TIMELINE_MAX, Header, header_of
+from ffstate.shm.worker import WorkerFields, WorkerRecord  # noqa: F401 (WorkerRecord: re-exported)
 
 log = logging.getLogger("ffstate.shm")
 
@@ -127,7 +128,7 @@ class SlotView:
     data: torch.Tensor  # uint8 view of the slot's bytes, no copy
 
 
-class Slots:
+class Slots(WorkerFields):
     """The two slots of one rank, mapped into this process (worker or daemon)."""
 
     def __init__(self, paths: list[Path], manifest: Manifest):

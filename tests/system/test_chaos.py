@@ -10,7 +10,7 @@ import pytest
 from ffstate.bench import chaos
 
 pytestmark = pytest.mark.timeout(900)
-FAILURES, SEED, GAP = 6, 3, 3
+FAILURES, SEED, GAP = 4, 0, 3
 
 
 def test_a_seeded_schedule_of_every_kind_of_failure_ends_bit_identical_and_leaves_nothing(tmp_path):

@@ -1,0 +1,277 @@
+"""The watchdog: a local rank that stops committing is hung; its daemon writes its stacks and kills it.
+
+A crash ends a process and torchrun restarts the group; a hang does not: a rank stuck before a collective
+(a deadlocked data loader, a wedged device, a bug) leaves every other rank waiting inside that collective
+until the process group's timeout (30 minutes for gloo, 10 for NCCL), and torchrun waits with them. The
+daemon already sees each local rank's commits in its slots' headers (the version and its wall-clock time),
+so it watches them, with no thread in the training process and no code in the user's loop:
+
+- **Step time.** Each look (twice a second) reads the two committed slots; two consecutive versions give
+  one step's length. Its median over the recent steps is the rank's step time; the same steps less the time
+  the rank's collectives were in flight (its marks, ``shm.CommMarks``) are its **compute** time.
+- **Deadline.** ``hang_multiple`` (10) median steps, at least ``hang_floor`` (60 s) and at most
+  ``hang_ceiling`` (600 s, below NCCL's default timeout); ``hang_startup`` (600 s) until the rank's third
+  commit after it attached (compilation, the DDP shadow step and a restore take their own time). It counts
+  from the rank's newest commit, or its newest sign of life: its attach, the end of an ``ff.pause()``
+  (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang).
+- **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's), the
+  daemon sends SIGUSR1 to every local rank of that job (each worker registered ``faulthandler`` for it at
+  entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder), waits a second,
+  logs where each one's main thread is (its innermost frame, and the innermost outside torch: the rank that
+  never reached the collective shows its own code, the others torch's collective), then, under
+  ``hang_action=kill``, SIGKILLs them. torchrun restarts the group; the restart restores from the slots as
+  after any crash: a hang costs the deadline and a restart, and no step. Each daemon acts for its own
+  node's ranks only; every node's ranks stall together, and one node's restart restarts the job.
+- **Stragglers.** A rank whose compute time stays above ``straggler_ratio`` (1.5) times the median of its
+  node's other ranks for ``STRAGGLER_LOOKS`` looks is warned about (rate-limited); ``ffstate status`` also
+  compares each rank with the whole job's. Reported, never acted on.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ffstate.config import DaemonConfig
+from ffstate.ids import ShardKey
+from ffstate.reports import WatchReport
+from ffstate.windows import merge_intervals
+
+log = logging.getLogger("ffstate.daemon.watchdog")
+
+LOOK = 0.5  # seconds between looks
+WARMUP_COMMITS = 3  # commits after an attach before the step-based deadline applies
+STACKS_WAIT = 1.0  # seconds the workers get to write their stacks
+STRAGGLER_LOOKS = 10  # consecutive looks with a new step above the ratio before a straggler is warned about
+STRAGGLER_WARN_EVERY = 60.0  # seconds between warnings about one rank
+HISTORY = 32  # steps kept per rank for the medians
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class RankWatch:
+    """One local rank's worker, as the watchdog has seen it since it attached."""
+
+    pid: int
+    attached: float  # wall-clock seconds of its attach
+    newest: tuple[int, float] = (0, 0.0)  # (version, commit time) of its newest commit since the attach
+    commits: int = 0  # commits seen since the attach
+    steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
+    computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
+    acted: bool = False  # declared hung (once per attach)
+    slow_looks: int = 0
+    warned: float = 0.0
+    report: WatchReport | None = None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by torchrun) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def where(stacks: str) -> str:
+    """The main thread's innermost frame in a ``faulthandler`` dump, and its innermost outside torch."""
+    block = stacks.split("Current thread", 1)[-1] if "Current thread" in stacks else stacks
+    frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return "no stack written"
+    inner = frames[0]
+    own = next((f for f in frames if "/torch/" not in f), None)
+    return inner if own in (None, inner) else f"{inner}; in its own code: {own}"
+
+
+class Watchdog:
+    """Watches the local ranks that ``shards()`` returns (see the module docstring).
+
+    ``shards`` returns (key, slots) for each local rank; ``kill``, ``clock`` and ``sleep`` are replaceable for
+    tests.
+    """
+
+    def __init__(self, cfg: DaemonConfig, shards: Callable[[], list], kill: Callable[[int, int], None] = os.kill,
+                 clock: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+        self.cfg, self.shards, self.kill, self.clock, self.sleep = cfg, shards, kill, clock, sleep
+        self.ranks: dict[ShardKey, RankWatch] = {}
+        self.hangs: collections.Counter[ShardKey] = collections.Counter()
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.cfg.hang_action == "off":
+            log.info("watchdog: off (--hang-action off)")
+        self._thread = threading.Thread(target=self._run, name="ffstate-watchdog", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self.stop.wait(LOOK):
+            try:
+                self.look()
+            except Exception:  # a bug here must not stop the watch
+                log.exception("watchdog: a look failed")
+
+    def report(self, key: ShardKey) -> WatchReport | None:
+        with self._lock:
+            w = self.ranks.get(key)
+            return w.report if w is not None else None
+
+    # ------------------------------------------------------------ one look
+
+    def look(self) -> None:
+        now = self.clock()
+        seen: dict[ShardKey, tuple] = {}
+        for key, slots in self.shards():
+            try:
+                seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1])
+            except (ValueError, OSError, TypeError):  # slots closed meanwhile
+                continue
+        stuck: dict[str, list[ShardKey]] = collections.defaultdict(list)
+        with self._lock:
+            for key in [k for k in self.ranks if k not in seen]:
+                del self.ranks[key]
+            for key, (worker, commits, intervals) in seen.items():
+                if worker is None:
+                    continue
+                w = self.ranks.get(key)
+                if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh
+                    w = self.ranks[key] = RankWatch(worker.pid, worker.alive)
+                self._observe(w, commits, intervals)
+                since = now - max(w.newest[1], worker.alive, w.attached)
+                paused = worker.paused_until > now
+                deadline = self._deadline(w)
+                w.report = WatchReport(_median(w.steps), _median(w.computes), 0.0 if paused else since, deadline,
+                                       paused, self.hangs[key], 0.0, w.pid)
+                if not paused and since > deadline and not w.acted and self.cfg.hang_action != "off" \
+                        and alive(w.pid):
+                    stuck[key.job_id].append(key)
+            self._stragglers(now)
+        for job, keys in stuck.items():
+            self._act(job, keys, now)
+
+    def _observe(self, w: RankWatch, commits: list[tuple[int, float]], intervals: list[tuple[float, float]]) -> None:
+        mine = [(v, t) for v, t in commits if t >= w.attached]
+        if not mine or mine[-1] == w.newest:
+            return
+        w.commits += max(1, mine[-1][0] - w.newest[0]) if w.newest[0] else 1
+        w.newest = mine[-1]
+        if len(mine) == 2 and mine[1][0] == mine[0][0] + 1 and mine[1][1] > mine[0][1]:
+            (_, a), (_, b) = mine
+            w.steps.append(b - a)
+            waited = sum(min(e, b) - max(s, a) for s, e in merge_intervals(intervals) if e > a and s < b)
+            w.computes.append(max(b - a - waited, 0.0))
+
+    def _deadline(self, w: RankWatch) -> float:
+        cfg = self.cfg
+        if w.commits < WARMUP_COMMITS or not w.steps:
+            return cfg.hang_startup
+        return min(max(cfg.hang_multiple * _median(w.steps), cfg.hang_floor), cfg.hang_ceiling)
+
+    def _stragglers(self, now: float) -> None:
+        """Each rank's compute against the median of its node's other ranks (under the lock)."""
+        for key, w in self.ranks.items():
+            others = [_median(o.computes) for k, o in self.ranks.items()
+                      if k != key and k.job_id == key.job_id and o.computes]
+            mine = _median(w.computes)
+            ref = statistics.median(others) if others else 0.0
+            ratio = mine / ref if ref > 0 and mine > 0 else 0.0
+            if w.report is not None:
+                w.report.straggler_ratio = ratio
+            w.slow_looks = w.slow_looks + 1 if ratio > self.cfg.straggler_ratio else 0
+            if w.slow_looks >= STRAGGLER_LOOKS and now - w.warned > STRAGGLER_WARN_EVERY:
+                w.warned = now
+                log.warning("%s straggles: %.3fs of compute a step, %.1fx the median of its node's other ranks "
+                            "(%.3fs); they wait for it in every collective", key, mine, ratio, ref)
+
+    # ------------------------------------------------------------ a hang
+
+    def _act(self, job: str, stuck: list[ShardKey], now: float) -> None:
+        with self._lock:
+            local = {k: w for k, w in self.ranks.items() if k.job_id == job and not w.acted and alive(w.pid)}
+            for w in local.values():
+                w.acted = True
+            for k, w in local.items():
+                self.hangs[k] += 1
+                if w.report is not None:
+                    w.report.hangs = self.hangs[k]
+            reports = {k: self.ranks[k].report for k in stuck}
+        paths = {}
+        for key, slots in self.shards():
+            if key in local:
+                record = slots.worker()
+                paths[key] = Path(record.stacks_path) if record is not None and record.stacks_path else None
+        for key in stuck:
+            r = reports[key]
+            log.error("%s is hung: no commit for %.0fs (deadline %.0fs: %s); asking the job's %d local ranks for "
+                      "their stacks", key, r.since_seconds, r.deadline_seconds,
+                      f"{self.cfg.hang_multiple:g} x its {r.step_seconds:.3f}s median step, within "
+                      f"[{self.cfg.hang_floor:g}, {self.cfg.hang_ceiling:g}]s" if r.step_seconds and
+                      self.local_warm(key) else "its first steps' allowance, --hang-startup", len(local))
+        sizes = {k: _size(p) for k, p in paths.items()}
+        for key, w in local.items():
+            if paths.get(key) is not None:
+                self._signal(w.pid, STACKS_SIGNAL)
+        self.sleep(STACKS_WAIT)
+        for key in sorted(local):
+            path = paths.get(key)
+            text = _read_from(path, sizes.get(key, 0)) if path is not None else ""
+            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "is hung" if key in stuck else "waits",
+                      where(text) if text else "no stack written",
+                      f" (all threads: {path})" if text else "")
+        if self.cfg.hang_action == "kill":
+            for key, w in sorted(local.items()):
+                self._signal(w.pid, signal.SIGKILL)
+            log.error("killed the local ranks of job %s (%s): torchrun restarts the group, which restores from "
+                      "their slots", job, ", ".join(str(k.rank) for k in sorted(local)))
+
+    def local_warm(self, key: ShardKey) -> bool:
+        w = self.ranks.get(key)
+        return w is not None and w.commits >= WARMUP_COMMITS and bool(w.steps)
+
+    def _signal(self, pid: int, sig: int) -> None:
+        try:
+            self.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError as e:
+            log.error("cannot signal worker %d: %s", pid, e)
+
+
+def _median(values) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int, limit: int = 1 << 20) -> str:
+    """What was appended to ``path`` after ``offset`` (at most ``limit`` bytes)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(limit).decode(errors="replace")
+    except OSError:
+        return ""

@@ -1,0 +1,60 @@
+"""A worker's record of itself in its first slot's header, for its node's watchdog (``daemon/watchdog.py``): its
+process, its signs of life besides commits, a declared pause, where its stacks go; and its commits' times."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ffstate.shm.header import STACKS_PATH_MAX, Header
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """What a worker wrote of itself in its first slot's header."""
+
+    pid: int
+    alive: float  # wall-clock seconds of its last sign of life other than a commit
+    paused_until: float  # wall-clock seconds; 0: not paused
+    stacks_path: str
+
+
+class WorkerFields:
+    """The watchdog's fields of ``Slots`` (``self.headers``: the slots' headers, the first one the rank's)."""
+
+    headers: list[Header]
+
+    def worker(self) -> "WorkerRecord | None":
+        """What the attached worker wrote of itself (``set_worker``, ``set_alive``, ``set_paused``); None before."""
+        if not self.headers or not self.headers[0].worker_pid:
+            return None
+        h = self.headers[0]
+        n = min(h.stacks_len, STACKS_PATH_MAX)
+        return WorkerRecord(h.worker_pid, h.alive_ns / 1e9, h.paused_until_ns / 1e9,
+                            bytes(h.stacks_path[:n]).decode(errors="replace"))
+
+    def commits(self) -> list[tuple[int, float]]:
+        """(version, wall-clock seconds) of each committed slot's commit, oldest first."""
+        return sorted((h.version, h.commit_ns / 1e9) for h in self.headers if h.seq and h.seq % 2 == 0 and h.commit_ns)
+
+    def set_worker(self, pid: int, stacks_path: str) -> None:
+        """The worker that attached: its process and where its stacks go (for its daemon's watchdog)."""
+        h = self.headers[0]
+        raw = stacks_path.encode()[:STACKS_PATH_MAX]
+        h.stacks_len = 0
+        h.stacks_path = raw
+        h.stacks_len = len(raw)
+        h.paused_until_ns = 0
+        h.alive_ns = time.time_ns()
+        h.worker_pid = pid
+
+    def set_alive(self) -> None:
+        """A sign of life other than a commit: the watchdog counts the deadline from it."""
+        self.headers[0].alive_ns = time.time_ns()
+
+    def set_paused(self, until: float) -> None:
+        """Not a hang until wall-clock ``until`` (0: the pause is over, and counts as a sign of life)."""
+        h = self.headers[0]
+        if not until:
+            h.alive_ns = time.time_ns()
+        h.paused_until_ns = int(until * 1e9)

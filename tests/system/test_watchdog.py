@@ -1,0 +1,69 @@
+"""Hangs and stragglers under real torchrun, in one job: a straggler is reported, a slow but healthy step and a
+declared pause are left alone, and two hangs (a rank asleep in its own code, then one stuck in a receive nobody
+answers) are each found by the node's daemon from the commits, every local rank's stacks written, the ranks
+killed, and the restarted group ends bit-identical to the run without a hang, no step lost.
+
+The job is the demo's (4 ranks as 2 simulated nodes, DDP + ZeRO), with the watchdog's deadline floor at 3 s
+(``FFSTATE_HANG_FLOOR``) so that a hang costs seconds here; the faults come from ``demo/faults.py``.
+"""
+
+import re
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from ffstate.bench import chaos
+
+pytestmark = pytest.mark.timeout(600)
+KNOBS = {"FFSTATE_HANG_FLOOR": "3", "FFSTATE_HANG_STARTUP": "30"}
+SCHEDULE = [
+    {"kind": "straggler", "step": 2, "until": 12, "rank": 3, "seconds": 0.3},  # computes 0.3 s longer a step
+    {"kind": "slow", "step": 6, "rank": 0, "seconds": 2.0},  # once: several median steps, under the deadline
+    {"kind": "pause", "step": 9, "seconds": 6.0},  # every rank inside ff.pause(), past the deadline
+    {"kind": "hang", "step": 15, "rank": 1, "phase": "mid-step"},  # asleep; the others wait in the collective
+    {"kind": "hang", "step": 21, "rank": 2, "phase": "collective"},  # in a receive nobody answers
+]
+
+
+def _log_times(path: Path, pattern: str) -> list[float]:
+    """Wall-clock times of the daemon log's lines that match ``pattern``."""
+    return [datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            for line in path.read_text().splitlines() if re.search(pattern, line)]
+
+
+def test_hangs_are_found_with_their_stacks_and_cost_no_step_slow_steps_and_pauses_are_not_hangs(tmp_path):
+    result = chaos.run_schedule(SCHEDULE, 24, timeout=500, work=tmp_path, env=KNOBS)
+    assert result["bit_identical"], result["differences"]
+    failing = tmp_path / "with-failures"
+    logs = {n: failing / f"daemon-node{n}.log" for n in (0, 1)}
+    rows = {r["index"]: r for r in result["failures"]}
+    hangs = [rows[3], rows[4]]
+    assert all(r["hit"] for r in hangs), hangs
+    # Nothing was declared hung before the first hang: not the slow step, not the pause (past the deadline).
+    assert rows[1]["hit"] and rows[2]["hit"]
+    for log in logs.values():
+        assert all(t > hangs[0]["killed_at"] for t in _log_times(log, r"is hung|killed the local ranks"))
+    progress = chaos._jsonl(failing / "progress.jsonl")
+    assert [p["step"] for p in progress if p["attempt"] == 0] == list(range(1, 15))  # no restart before step 15
+    # Each hang: found after the deadline (the 3 s floor, or 10 median steps while the straggler ran), every
+    # local rank killed, and the group restarted from the slots at the step before the hang, nothing lost.
+    for r, log, rank in ((hangs[0], logs[0], 1), (hangs[1], logs[1], 2)):
+        assert r["v_star"] == r["step"] - 1 and r["steps_lost"] == 0 and r["downtime"] is not None, r
+        found = [t for t in _log_times(log, rf"rank {rank} of 4 is hung") if t > r["killed_at"]]
+        assert found, log.read_text()[-3000:]
+        detection = found[0] - r["killed_at"]
+        assert 3.0 <= detection < 15.0, detection
+        assert [t for t in _log_times(log, "killed the local ranks of job") if t > r["killed_at"]]
+        print(f"hang ({r['phase']}): found after {detection:.1f}s; first step after it {r['downtime']:.1f}s after "
+              f"it; v* {r['v_star']}, steps lost {r['steps_lost']}")
+    # The evidence: the hung rank's main thread in its own code, the others' in torch's collectives.
+    text0, text1 = logs[0].read_text(), logs[1].read_text()
+    assert re.search(r"rank 1 of 4 \(pid \d+\) is hung: File \S+/demo/faults\.py\", line \d+ in step_began", text0)
+    assert re.search(r"rank 0 of 4 \(pid \d+\) (is hung|waits): File \S+/torch/", text0), text0[-3000:]
+    assert re.search(r"rank 2 of 4 \(pid \d+\) is hung: File \S+/torch/distributed/distributed_c10d\.py\", line "
+                     r"\d+ in recv; in its own code: File \S+/demo/faults\.py", text1), text1[-3000:]
+    assert "in step_began" in (failing / "stacks-rank1.txt").read_text()
+    # The straggler, rank 3, is reported on its node; nobody else is.
+    assert re.search(r"rank 3 of 4 straggles: [\d.]+s of compute a step, [\d.]+x the median", text1), text1[-3000:]
+    assert "straggles" not in text0 and len(re.findall("straggles", text1)) == len(re.findall("rank 3 of 4 strag", text1))

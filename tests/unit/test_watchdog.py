@@ -1,0 +1,141 @@
+"""The watchdog's rules on fake slots and a fake clock: the deadline from the median step (floor, ceiling, the
+first steps' allowance), a declared pause, the stacks asked for before the kill, once per attach; stragglers."""
+
+import os
+import signal
+
+from ffstate.config import DaemonConfig
+from ffstate.daemon.watchdog import STRAGGLER_LOOKS, Watchdog, where
+from ffstate.ids import ShardKey
+from ffstate.shm.slots import WorkerRecord
+
+
+class FakeSlots:
+    def __init__(self, pid: int, attached: float, stacks: str = ""):
+        self.record = WorkerRecord(pid, attached, 0.0, stacks)
+        self.done: list[tuple[int, float]] = []
+        self.intervals: list[tuple[float, float]] = []
+
+    def commit(self, version: int, t: float, waited: float = 0.0) -> None:
+        self.done = (self.done + [(version, t)])[-2:]
+        if waited:
+            self.intervals.append((t - waited - 0.01, t - 0.01))
+
+    def worker(self):
+        return self.record
+
+    def commits(self):
+        return list(self.done)
+
+    def comm_marks(self):
+        return 0, list(self.intervals), [t for _, t in self.done]
+
+
+def make(cfg: DaemonConfig, shards: dict):
+    clock = {"now": 1000.0}
+    signals: list[tuple[int, int]] = []
+    dog = Watchdog(cfg, lambda: list(shards.items()), kill=lambda pid, sig: signals.append((pid, sig)),
+                   clock=lambda: clock["now"], sleep=lambda s: None)
+    return dog, clock, signals
+
+
+def steps(dog, clock, slots: FakeSlots, n: int, step: float, start: int = 1) -> None:
+    for v in range(start, start + n):
+        clock["now"] += step
+        slots.commit(v, clock["now"])
+        dog.look()
+
+
+def test_the_deadline_is_ten_median_steps_within_floor_and_ceiling_after_the_first_steps(monkeypatch):
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    key = ShardKey("j", 0, 2)
+    slots = FakeSlots(os.getpid() + 10_000, 1000.0)
+    cfg = DaemonConfig(hang_floor=2.0, hang_ceiling=8.0, hang_startup=30.0, hang_multiple=10.0)
+    dog, clock, signals = make(cfg, {key: slots})
+    dog.look()
+    assert dog.report(key).deadline_seconds == 30.0  # no commit yet: the first steps' allowance
+    steps(dog, clock, slots, 2, 0.5)
+    assert dog.report(key).deadline_seconds == 30.0  # two commits: still the allowance
+    steps(dog, clock, slots, 3, 0.5, start=3)
+    assert dog.report(key).deadline_seconds == 5.0 and dog.report(key).step_seconds == 0.5  # 10 x 0.5 s
+    steps(dog, clock, slots, 40, 0.1, start=6)
+    assert dog.report(key).deadline_seconds == 2.0  # 10 x 0.1 s, raised to the floor
+    steps(dog, clock, slots, 40, 2.0, start=46)
+    assert dog.report(key).deadline_seconds == 8.0  # 10 x 2 s, cut to the ceiling
+    clock["now"] += 7.9
+    dog.look()
+    assert not signals and abs(dog.report(key).since_seconds - 7.9) < 1e-6
+    clock["now"] += 0.2
+    dog.look()
+    assert signals == [(slots.record.pid, signal.SIGKILL)]  # no stacks file registered: straight to the kill
+    assert dog.report(key).hangs == 1
+    clock["now"] += 100
+    dog.look()
+    assert len(signals) == 1  # once per attach: the restart's worker is watched afresh
+
+
+def test_a_declared_pause_is_not_a_hang_and_the_deadline_counts_from_its_end(monkeypatch):
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    key = ShardKey("j", 0, 1)
+    slots = FakeSlots(4242, 1000.0)
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), {key: slots})
+    steps(dog, clock, slots, 5, 0.1)
+    slots.record = WorkerRecord(4242, slots.record.alive, clock["now"] + 60.0, "")
+    clock["now"] += 50
+    dog.look()
+    assert not signals and dog.report(key).paused
+    clock["now"] += 20  # the pause ran out without its end written: watched again, and long silent
+    dog.look()
+    assert signals
+    slots.record = WorkerRecord(4243, clock["now"], 0.0, "")  # a new worker attached
+    signals.clear()
+    steps(dog, clock, slots, 5, 0.1, start=6)
+    slots.record = WorkerRecord(4243, clock["now"] + 1.0, 0.0, "")  # the end of a pause: a sign of life
+    clock["now"] += 2.5
+    dog.look()
+    assert not signals and abs(dog.report(key).since_seconds - 1.5) < 1e-6
+
+
+def test_stacks_are_asked_for_before_the_kill_and_every_local_rank_of_the_job_goes(monkeypatch, tmp_path):
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    a, b, other = ShardKey("j", 0, 2), ShardKey("j", 1, 2), ShardKey("k", 0, 1)
+    shards = {a: FakeSlots(11, 1000.0, str(tmp_path / "a.txt")), b: FakeSlots(12, 1000.0, str(tmp_path / "b.txt")),
+              other: FakeSlots(13, 1000.0)}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
+    for v in range(1, 6):
+        clock["now"] += 0.1
+        for s in shards.values():
+            s.commit(v, clock["now"])
+        dog.look()
+    clock["now"] += 1.0
+    shards[other].commit(6, clock["now"])  # job k goes on
+    clock["now"] += 1.5
+    dog.look()
+    assert signals == [(11, signal.SIGUSR1), (12, signal.SIGUSR1), (11, signal.SIGKILL), (12, signal.SIGKILL)]
+
+
+def test_a_straggler_is_reported_from_its_compute_against_its_node_s_other_ranks(monkeypatch):
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    fast, slow = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
+    shards = {fast: FakeSlots(21, 1000.0), slow: FakeSlots(22, 1000.0)}
+    dog, clock, _ = make(DaemonConfig(), shards)
+    for v in range(1, 6 + STRAGGLER_LOOKS):
+        clock["now"] += 0.5
+        shards[fast].commit(v, clock["now"], waited=0.3)  # waits 0.3 s of its 0.5 s step for the other
+        shards[slow].commit(v, clock["now"], waited=0.0)
+        dog.look()
+    assert abs(dog.report(slow).straggler_ratio - 0.5 / 0.2) < 1e-6 and dog.report(fast).straggler_ratio < 1
+    assert dog.ranks[slow].warned and not dog.ranks[fast].warned
+
+
+def test_where_reads_the_main_thread_from_a_faulthandler_dump():
+    dump = ('Thread 0x00007f (most recent call first):\n  File "/x/threading.py", line 320 in wait\n\n'
+            'Current thread 0x00007e (most recent call first):\n'
+            '  File "/v/site-packages/torch/autograd/graph.py", line 829 in _engine_run_backward\n'
+            '  File "/v/site-packages/torch/_tensor.py", line 625 in backward\n'
+            '  File "/w/train.py", line 40 in step\n')
+    assert where(dump) == ('File "/v/site-packages/torch/autograd/graph.py", line 829 in _engine_run_backward; in '
+                           'its own code: File "/w/train.py", line 40 in step')
+    assert where('Current thread 0x1 (most recent call first):\n  File "/w/train.py", line 9 in hang\n') == \
+        'File "/w/train.py", line 9 in hang'
+    assert where("") == "no stack written"
