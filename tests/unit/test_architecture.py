@@ -89,3 +89,12 @@ def test_files_and_classes_stay_small():
             if isinstance(node, ast.ClassDef):
                 size = node.end_lineno - node.lineno + 1
                 assert size <= MAX_CLASS_LINES, f"{name}.{node.name}: {size} lines (at most {MAX_CLASS_LINES})"
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files without packages (rootdir-relative basenames): two files with one basename
+    in different folders stop the whole collection on a clean checkout."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path.relative_to(ROOT)} and {seen[path.name].relative_to(ROOT)} share a name"
+        seen[path.name] = path
