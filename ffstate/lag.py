@@ -23,6 +23,11 @@ log = logging.getLogger("ffstate.lag")
 # Seconds between a rank's publications of its replicated version through the job's store (three store
 # calls; at every lag check they cost a commit 2-13 ms on a 2-core node). Also published on lag and exit.
 PUBLISH_EVERY = 5.0
+# A held commit (policy block) reads the slot header every HEADER_POLL seconds, and asks the daemon (an
+# Inventory RPC, which also finds a dead daemon) every ASK_EVERY.
+HEADER_POLL, ASK_EVERY = 0.002, 0.5
+# A hold that long is logged at once; shorter ones are summed up at most every SUMMARY_EVERY seconds.
+HOLD_LOG, SUMMARY_EVERY = 0.5, 30.0
 
 
 class LagWatch:
@@ -33,6 +38,7 @@ class LagWatch:
         self.job, self._daemon, self._on_lost = job, daemon, on_lost
         self.replicated = 0
         self._published = 0.0  # time.monotonic() of the last publication
+        self._short = (0, 0.0, time.monotonic())  # commits held less than HOLD_LOG: count, seconds, since
 
     def after_commit(self, step: int, slots: Slots, timed_out: bool) -> None:
         """The lag check of a commit of ``step`` into ``slots`` (``timed_out``: it overwrote an unread version)."""
@@ -51,11 +57,11 @@ class LagWatch:
             if 0 < header <= step:
                 self.replicated = header
         if step - self.replicated > self.job.cfg.max_lag:
-            self._lag(step)  # also how a dead daemon is found: its header stops moving
+            self._lag(step, slots)  # also how a dead daemon is found: its header stops moving
         elif time.monotonic() - self._published > PUBLISH_EVERY:
             self.publish(self.replicated)
 
-    def _lag(self, step: int) -> None:
+    def _lag(self, step: int, slots: Slots) -> None:
         cfg, rank = self.job.cfg, self.job.rank
         try:
             self.replicated = self.from_daemon(attached=True)
@@ -70,34 +76,69 @@ class LagWatch:
                         "the newest version", rank, behind, cfg.max_lag)
             return
         start = time.perf_counter()
-        self.wait(step, timeout=cfg.connect_timeout, within=cfg.max_lag, attached=True)
+        self.wait(step, timeout=cfg.connect_timeout, within=cfg.max_lag, attached=True, slots=slots)
         held = time.perf_counter() - start
         if step - self.replicated > cfg.max_lag:
             log.error("rank %d: replication is stalled %d versions behind (a holder down?); policy block gave up "
                       "after %.0fs and training goes on", rank, step - self.replicated, held)
         else:
-            log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions "
-                        "(policy block)", rank, step, held, cfg.max_lag)
+            self._held(step, held)
 
-    def wait(self, last: int, timeout: float | None, within: int = 0, attached: bool = True) -> None:
+    def _held(self, step: int, held: float) -> None:
+        """Says that a commit was held (policy block): each hold of HOLD_LOG seconds or more, the shorter ones
+        summed up at most every SUMMARY_EVERY seconds (with a small ``max_lag`` they come every few steps)."""
+        cfg, now = self.job.cfg, time.monotonic()
+        if held >= HOLD_LOG:
+            log.warning("rank %d: commit of step %d held %.2fs until replication was within %d versions "
+                        "(policy block)", self.job.rank, step, held, cfg.max_lag)
+            return
+        count, total, since = self._short
+        count, total = count + 1, total + held
+        if now - since >= SUMMARY_EVERY:
+            log.warning("rank %d: %d commits held %.2fs in all in the last %.0fs until replication was within %d "
+                        "versions (policy block; up to step %d)", self.job.rank, count, total, now - since,
+                        cfg.max_lag, step)
+            count, total, since = 0, 0.0, now
+        self._short = (count, total, since)
+
+    def wait(self, last: int, timeout: float | None, within: int = 0, attached: bool = True,
+             slots: Slots | None = None) -> None:
         """Waits until replication is within ``within`` versions of ``last`` (at most ``timeout`` seconds; None:
-        for ever, bringing a lost daemon back meanwhile)."""
+        for ever, bringing a lost daemon back meanwhile). With the rank's ``slots``, it reads their header every
+        ``HEADER_POLL`` seconds and asks the daemon only every ``ASK_EVERY`` (a held commit then costs the wait,
+        not an RPC every poll); the daemon is still how a dead one is found."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if slots is not None:  # the daemon's pacer stops yielding to collectives that wait for this rank
+            slots.set_lag_held(True)
+        try:
+            self._wait(last, deadline, within, attached, slots)
+        finally:
+            if slots is not None:
+                slots.set_lag_held(False)
+
+    def _wait(self, last: int, deadline: float | None, within: int, attached: bool, slots: Slots | None) -> None:
+        asked = time.monotonic() if slots is not None else float("-inf")  # with slots: _lag has just asked
         while True:
-            try:
-                self.replicated = self.from_daemon(attached)
-            except ReplicaUnavailable as e:
-                if deadline is not None:  # leaving: nothing more to wait for
-                    log.warning("rank %d: the node's daemon is gone (%s); not waiting for the replicas", self.job.rank,
-                                e)
-                    return
-                self._on_lost(e)
-                continue
+            now = time.monotonic()
+            header = slots.replicated() if slots is not None else 0
+            if 0 < header <= last and header > self.replicated:
+                self.replicated = header
+            elif now - asked >= (ASK_EVERY if slots is not None else 0.0):
+                asked = now
+                try:
+                    self.replicated = self.from_daemon(attached)
+                except ReplicaUnavailable as e:
+                    if deadline is not None:  # leaving: nothing more to wait for
+                        log.warning("rank %d: the node's daemon is gone (%s); not waiting for the replicas",
+                                    self.job.rank, e)
+                        return
+                    self._on_lost(e)
+                    continue
             if last - self.replicated <= within:
                 return
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and now > deadline:
                 return
-            time.sleep(0.01)
+            time.sleep(HEADER_POLL if slots is not None else 0.01)
 
     def from_daemon(self, attached: bool) -> int:
         """The replicated version as the node's daemon reports it (and published).

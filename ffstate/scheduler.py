@@ -200,6 +200,8 @@ class Scheduler:
         link_bytes_per_s: the link's bandwidth when known (0: measured from the pushes).
         deadline: versions behind at which windows are ignored (the lag bound is near).
         predicted: the collectives predicted from the workers' profiled timelines, where no marks are.
+        held: whether a worker's commit is held until replication catches up (its lag policy): the other ranks
+            then wait for it in their collectives, and a chunk that waited for those would wait for itself.
         clock, wall, sleep: monotonic seconds, wall-clock seconds (the marks' clock) and sleeping;
             replaceable for tests.
     """
@@ -209,11 +211,11 @@ class Scheduler:
     def __init__(self, busy: Busy, share: float = 0.5,
                  link_bytes_per_s: float = 0.0, deadline: int = 3, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 predicted: Predicted | None = None):
+                 predicted: Predicted | None = None, held: Callable[[], bool] | None = None):
         if not 0 < share <= 1:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.busy, self.share, self.link_bytes_per_s, self.deadline = busy, share, link_bytes_per_s, max(1, deadline)
-        self.predicted = predicted
+        self.predicted, self.held = predicted, held
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self.timeline = Timeline(busy)
         self._links: dict[str, LinkState] = {}
@@ -269,6 +271,10 @@ class Scheduler:
                        "miss the next commit in the windows: sent past them", holder, behind, remaining)
             elif left is not None:  # faster than the share where the time left needs it
                 rate = min(link.estimate, max(rate, remaining * DUE_MARGIN / left))
+        if windows and self.held is not None and self.held():  # a commit waits for it: nothing to yield to
+            windows = capped = False
+            _count(link, "rushes", 1000, logging.INFO, "replication to %s: a worker's commit waits for it (lag "
+                   "policy block): sent past the windows", holder)
         if CATCH_UP <= behind < self.deadline:
             _count(link, "catch_ups", 1000, logging.INFO, "replication to %s is %d versions behind: catching up at "
                    "the link's whole rate in the training's windows", holder, behind)
@@ -308,6 +314,8 @@ class Scheduler:
         would be through (behind what ``link`` has on the wire already)."""
         give_up = self.clock() + 2.0  # a stale or wrong prediction must not stall replication
         while self.clock() < give_up:
+            if self.held is not None and self.held():  # the collectives wait for a rank held for this push
+                return
             marks = self.busy()
             self.timeline.observe(marks)
             inflight, intervals, commits = marks

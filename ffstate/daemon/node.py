@@ -93,9 +93,9 @@ class Node:
             return Naive(self._comm_marks, cfg.link_bandwidth)
         if cfg.scheduler != "windows":
             raise FFStateError(f"scheduler must be windows or naive, got {cfg.scheduler!r}")
-        # Past keep_deltas - 1 versions behind, a sender must not wait for windows: the worker's lag bound is near.
-        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 1),
-                         predicted=self._predicted)
+        # Past W - 1 versions behind (keep_deltas is W + 1), a sender must not wait for windows: the lag bound is near.
+        return Scheduler(self._comm_marks, cfg.link_share, cfg.link_bandwidth, deadline=max(1, cfg.keep_deltas - 2),
+                         predicted=self._predicted, held=self._lag_held)
 
     def _shards(self) -> list[LocalShard]:
         with self._lock:
@@ -114,6 +114,16 @@ class Node:
             if len(c) > len(commits) or (c and commits and c[-1] > commits[-1]):
                 commits = c
         return inflight, intervals, commits
+
+    def _lag_held(self) -> bool:
+        """Whether a local worker's commit is held until its replication catches up (its lag policy)."""
+        for shard in self._shards():
+            try:
+                if shard.slots.lag_held():
+                    return True
+            except _GONE:
+                continue
+        return False
 
     def _predicted(self) -> list[tuple[float, float]]:
         """The collectives of the workers that profiled their steps (no marks), placed after their newest commits."""

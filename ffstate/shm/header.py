@@ -63,7 +63,10 @@ class Header(ctypes.LittleEndianStructure):
         ("comm_ring", Interval * COMM_RING),
         # Daemon, slot 0: the newest version every holder of this rank has (the worker's lag check).
         ("replicated", _u64),
-        ("_pad2", ctypes.c_char * 56),
+        # Worker, slot 0: wall-clock ns since its commit is held until replication catches up (policy block;
+        # 0: not held). The other ranks then wait for it in their collectives: the daemon's pacer must not.
+        ("lag_held_ns", _u64),
+        ("_pad2", ctypes.c_char * 48),
         # Daemon, slot 0 (at creation): its doorbell, as this rank's id there, the name's length, the name.
         ("bell_id", _u64),
         ("bell_len", ctypes.c_uint16),

@@ -1,5 +1,6 @@
 """A worker's record of itself in its first slot's header, for its node's watchdog (``daemon/watchdog.py``): its
-process, its signs of life besides commits, a declared pause, where its stacks go; and its commits' times."""
+process, its signs of life besides commits, a declared pause, where its stacks go; and its commits' times. And,
+for the daemon's pacer, whether its commit is held until replication catches up (the lag policy)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class WorkerRecord:
 
 
 class WorkerFields:
-    """The watchdog's fields of ``Slots`` (``self.headers``: the slots' headers, the first one the rank's)."""
+    """The watchdog's and the pacer's worker fields of ``Slots`` (``self.headers``: the slots' headers, the first
+    one the rank's)."""
 
     headers: list[Header]
 
@@ -58,3 +60,18 @@ class WorkerFields:
         if not until:
             h.alive_ns = time.time_ns()
         h.paused_until_ns = int(until * 1e9)
+
+    def set_lag_held(self, held: bool) -> None:
+        """The worker's commit is held until replication catches up (policy block), or no longer."""
+        try:
+            self.headers[0].lag_held_ns = time.time_ns() if held else 0
+        except IndexError:
+            pass
+
+    def lag_held(self) -> float:
+        """Wall-clock seconds since the worker's commit is held by the lag policy; 0.0 when it is not."""
+        try:
+            since = self.headers[0].lag_held_ns
+        except IndexError:
+            return 0.0
+        return max(time.time_ns() - since, 1) / 1e9 if since else 0.0

@@ -94,3 +94,28 @@ def test_a_commit_whose_daemon_is_gone_or_has_no_doorbell_does_not_fail(tmp_path
     finally:
         slots.close()
 
+
+
+def test_a_commit_held_by_the_lag_policy_shows_in_the_header_until_it_is_released(tmp_path, monkeypatch):
+    from ffstate.lag import LagWatch
+
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
+        seen = []
+
+        class Job:  # what LagWatch reads of the job; the daemon is never asked (the header answers)
+            rank, world = 0, 1
+
+            def publish_replicated(self, version):
+                pass
+
+        def sleep(_):  # the daemon, while the commit is held: sees it, then replicates version 3
+            seen.append(daemon.lag_held())
+            daemon.set_replicated(3)
+
+        monkeypatch.setattr("ffstate.lag.time.sleep", sleep)
+        lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
+        lag.replicated = 1
+        assert daemon.lag_held() == 0.0
+        lag.wait(4, timeout=5.0, within=1, slots=worker)
+        assert seen and seen[0] > 0.0 and lag.replicated == 3
+        assert daemon.lag_held() == 0.0  # released
