@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ffstate.config import parse_bytes
+from ffstate.config import DaemonConfig, parse_bytes
 
 log = logging.getLogger("ffstate.cli")
 
@@ -182,8 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-when-empty", action="store_true",
                    help="exit once a Drop leaves nothing attached or held (how workers start a node's daemon)")
     p.add_argument("--pid-file", type=Path, help="write the daemon's pid here (removed on exit)")
-    p.add_argument("--keep-deltas", type=int, default=4, metavar="W",
-                   help="deltas kept per replica, i.e. how far it can step back (default 4)")
+    p.add_argument("--keep-deltas", type=int, default=DaemonConfig.keep_deltas, metavar="N",
+                   help=f"deltas kept per replica, i.e. how far it can step back (default {DaemonConfig.keep_deltas}: "
+                        "the workers' max_lag plus one)")
     p.add_argument("--max-chunk-bytes", type=parse_bytes, default=32 << 20,
                    help="largest chunk accepted in a push (default 32M)")
     p.add_argument("--scheduler", choices=("windows", "naive"), default="windows",

@@ -232,7 +232,9 @@ class DaemonConfig:
     idle_exit: float = 0.0  # seconds; 0: never
     exit_when_empty: bool = False  # exit once a Drop leaves nothing attached or held (auto-started daemons)
     pid_file: Path | None = None
-    keep_deltas: int = 4  # W: versions a replica can be stepped back
+    # versions a replica can be stepped back: the workers' max_lag W, plus one (between a commit and its lag check
+    # a holder can be W + 1 versions behind, and a lost node's replicas with it)
+    keep_deltas: int = 5
     max_chunk_bytes: int = 32 << 20
     scalars_capacity: int = field(default=1 << 20, metadata={"flag": None})
     scheduler: str = "windows"  # windows: into the training's idle windows; naive: as soon as captured

@@ -90,7 +90,7 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
     host, port = address.rsplit(":", 1)
     return DaemonConfig(
         host=host, port=int(port), node_id=node_id, exit_when_empty=True, idle_exit=cfg.daemon_idle_exit,
-        pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag,
+        pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag + 1,
         memory_limit=parse_bytes(cfg.daemon_memory_limit) if cfg.daemon_memory_limit else 0,
         scheduler=cfg.scheduler, link_share=cfg.link_share,
         link_bandwidth=parse_bytes(cfg.link_bandwidth) if cfg.link_bandwidth else 0,

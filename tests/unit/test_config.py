@@ -35,7 +35,7 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
     got = DaemonConfig.from_args(args, token=want.token)
     assert got == want
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
-        7801, "node1", 6, 3 << 29, 25 << 20, 9101)
+        7801, "node1", 7, 3 << 29, 25 << 20, 9101)  # keep_deltas: max_lag + 1
     assert "--token" not in " ".join(want.to_args())
     with pytest.raises(ValueError, match="go together"):
         DaemonConfig(tls_cert=tmp_path / "cert.pem")
