@@ -45,8 +45,10 @@ from ffstate.testing.models import TinyGPT
 FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseline
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
-         "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1), "unprofiled": ("auto", "windows", 1)}
+         "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1), "unprofiled": ("auto", "windows", 1),
+         "lag1": ("auto", "windows", 1)}
 PROFILE_STEPS = {"unprofiled": 0}  # Config.profile_steps where not the default
+MAX_LAG = {"lag1": 1}  # Config.max_lag where not the default
 
 
 def main() -> None:
@@ -120,6 +122,7 @@ def main() -> None:
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
             cfg = ffstate.Config.from_env(razor=razor, replicas=replicas, start_daemon=False, base_port=int(ports[scheduler]),
                                           profile_steps=PROFILE_STEPS.get(mode, ffstate.Config.profile_steps),
+                                          max_lag=MAX_LAG.get(mode, ffstate.Config.max_lag),
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
             res["steps_run"] += a.steps
             with ffstate.replicate(model, opt, config=cfg) as ff:

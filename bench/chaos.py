@@ -164,8 +164,12 @@ def _leftover_daemons(run_dir: Path, wait: float = 15.0) -> list[int]:
 
 
 def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], events: list[dict]) -> list[dict]:
-    """One row per scheduled failure: when it hit, v*, steps lost, and the downtime (kill -> next commit)."""
+    """One row per scheduled failure: when it hit, v*, steps lost, the downtime (kill -> next commit), and the
+    longest stall (the longest time between two consecutive steps from the kill to the next failure: for a daemon
+    killed alone, training goes on at once but holds later, when the slots go unread and replication waits for the
+    new daemon)."""
     restored = [e for e in events if e.get("event") == "restored"]
+    kills = sorted(n["time"] for n in notes if n["kind"] != "double-then")
     rows = []
     for i, f in enumerate(schedule):
         mine = [n for n in notes if n["index"] == i]
@@ -180,14 +184,17 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
             nxt = next((p for p in progress if p["time"] > after), None)
         else:  # the first commit of the restarted workers (a survivor may commit once after the kill)
             nxt = next((p for p in progress if p["time"] > after and p.get("attempt", 0) > last["attempt"]), None)
+        until = next((t for t in kills if t > after), float("inf"))
+        times = [killed] + [p["time"] for p in progress if after < p["time"] < until]
         row = {**f, "index": i, "hit": True, "after_step": first.get("after_step"), "killed_at": killed,
-               "downtime": (nxt["time"] - killed) if nxt else None}
+               "downtime": (nxt["time"] - killed) if nxt else None,
+               "stall": max((b - a for a, b in zip(times, times[1:])), default=None)}
         if f["kind"] in ("daemon", "slow", "pause", "straggler"):
             row.update(v_star=None, steps_lost=0)  # training went on: nothing rolled back
         else:  # the restore of the attempt after the last kill of this failure
             attempt = last["attempt"] + 1
             mine_r = [e for e in restored if e["attempt"] == attempt]
-            row.update(v_star=max((e["version"] for e in mine_r), default=None),
+            row.update(attempt=attempt, v_star=max((e["version"] for e in mine_r), default=None),
                        steps_lost=max((e["steps_lost"] for e in mine_r), default=None),
                        restore_seconds=max((e["restore_seconds"] for e in mine_r), default=None),
                        source=sorted({e["source"] for e in mine_r}))
@@ -251,7 +258,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     return {"benchmark": "chaos", "environment": environment("cpu"), "steps": steps, "schedule": schedule, "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
             "reference_seconds": ref_wall, "step_seconds": ref_wall / steps, "bit_identical": not diffs,
             "differences": diffs[:20], "daemons_left": left, "shm_left": shm_left,
-            "accounted_at_exit": exits, "work": str(work)}
+            "accounted_at_exit": exits, "work": str(work),
+            "daemons": [f"127.0.0.1:{base + n}" for n in range(NODES)]}
 
 
 def summary(result: dict) -> dict:
@@ -263,7 +271,8 @@ def summary(result: dict) -> dict:
     per_kind = {k: {"count": len(rs), "steps_lost_max": max(r["steps_lost"] or 0 for r in rs),
                     "steps_lost": [r["steps_lost"] for r in rs],
                     "downtime_median": statistics.median(r["downtime"] for r in rs if r["downtime"] is not None),
-                    "downtime_max": max(r["downtime"] for r in rs if r["downtime"] is not None)}
+                    "downtime_max": max(r["downtime"] for r in rs if r["downtime"] is not None),
+                    "stall_max": max((r["stall"] for r in rs if r.get("stall") is not None), default=None)}
                 for k, rs in sorted(kinds.items())}
     memory = {}
     for node in range(NODES):
@@ -280,12 +289,14 @@ def report(result: dict) -> str:
     mb = lambda b: "-" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
     rows = [[str(r["index"]), label(r), str(r.get("after_step", "-")), str(r.get("v_star") or "-"),
              "-" if r.get("steps_lost") is None else str(r["steps_lost"]),
-             "-" if r.get("downtime") is None else f"{r['downtime']:.1f}"] for r in result["failures"] if r["hit"]]
-    out = [table(rows, ["#", "failure", "after step", "v*", "steps lost", "downtime s"]), ""]
+             "-" if r.get("downtime") is None else f"{r['downtime']:.1f}",
+             "-" if r.get("stall") is None else f"{r['stall']:.1f}"] for r in result["failures"] if r["hit"]]
+    out = [table(rows, ["#", "failure", "after step", "v*", "steps lost", "downtime s", "longest stall s"]), ""]
     s = result["summary"]
     out.append(table([[k, str(v["count"]), ",".join(map(str, v["steps_lost"])), f"{v['downtime_median']:.1f}",
-                       f"{v['downtime_max']:.1f}"] for k, v in s["per_kind"].items()],
-                     ["kind", "failures", "steps lost each", "downtime median s", "downtime max s"]))
+                       f"{v['downtime_max']:.1f}", "-" if v.get("stall_max") is None else f"{v['stall_max']:.1f}"]
+                      for k, v in s["per_kind"].items()],
+                     ["kind", "failures", "steps lost each", "downtime median s", "downtime max s", "longest stall s"]))
     out.append("")
     out.append(table([[f"node{n}", mb(m["rss_first"]), mb(m["rss_last"]), mb(m["rss_max"]), mb(m["accounted_first"]),
                        mb(m["accounted_last"]), mb(m["accounted_max"])] for n, m in s["memory"].items()],

@@ -20,7 +20,9 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 - ``scheduler``: ffstate, razor on, paced into the training's idle windows under a share of the link;
 - ``razor-off``: the scheduler, every rank replicating its whole state;
 - ``unprofiled``: the scheduler without a profiled timeline (``profile_steps=0``): under ``manual``
-  it paces by rate alone, which is what the profiled steps are measured against.
+  it paces by rate alone, which is what the profiled steps are measured against;
+- ``lag1``: the scheduler with ``max_lag=1``: a commit waits until every holder has the version before it
+  (a node lost then costs at most one step), which costs the training whenever replication runs late.
 
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``, pooled
 over phases and paired (each phase against the ``off`` phase of its repeat, median over repeats); the
@@ -290,7 +292,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="off,naive,scheduler,razor-off",
                    help="off (no ffstate), local (commits, no replicas: ffstate's cost before the network), naive "
                         "(razor on, sent at once), scheduler (razor on, paced into idle windows), razor-off "
-                        "(scheduler, whole states), unprofiled (scheduler, no profiled timeline); default: "
+                        "(scheduler, whole states), unprofiled (scheduler, no profiled timeline), lag1 (scheduler, max_lag 1); "
+                        "default: "
                         "off,naive,scheduler,razor-off")
     p.add_argument("--link", default="loopback",
                    help="loopback and/or tc rates between 2 network namespaces, e.g. loopback,200mbit (needs root)")
