@@ -97,12 +97,12 @@ def test_step_back_w_versions_bit_exact(pair, tmp_path):
     cb = b.client()
     wait_until(lambda: held_version(cb, "j3", 0) == 7, what="B at version 7")
     versions = list(cb.inventory("j3").shards[0].versions)
-    assert versions == [7, 6, 5, 4, 3]  # the held version and W=4 deltas back
+    assert versions == [7, 6, 5, 4, 3, 2]  # the held version and keep_deltas (W + 1 = 5) deltas back
     assert_bitwise_equal(codec.decode(cb.fetch("j3", 0, 2, version=4)), states[3])  # a stepped-back copy
-    assert cb.step_back("j3", 0, 2, 3).version == 3
-    assert_bitwise_equal(codec.decode(cb.fetch("j3", 0, 2)), states[2])
+    assert cb.step_back("j3", 0, 2, 2).version == 2
+    assert_bitwise_equal(codec.decode(cb.fetch("j3", 0, 2)), states[1])
     with pytest.raises(ReplicaError) as e:
-        cb.step_back("j3", 0, 2, 2)
+        cb.step_back("j3", 0, 2, 1)
     assert e.value.code == "NOT_FOUND"
 
 
@@ -403,17 +403,17 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
 
 
 def test_local_copy_steps_back_through_the_deltas_it_keeps(pair, tmp_path):
-    """The node's own copy of a rank reaches back W versions, not just the two slots: after a node loss,
-    its ranks may have to go back to the version the lost node's replicas had (DESIGN.md I3)."""
+    """The node's own copy of a rank reaches back keep_deltas (W + 1) versions, not just the two slots: after a
+    node loss, its ranks may have to go back to the version the lost node's replicas had (DESIGN.md I3)."""
     a, b = pair
     b.kill()  # the holder is gone: A's copy is all there is
     _, states = run_writer(a, "j11", 7, tmp_path, "--wait-taken")
     ca = a.client()
-    wait_until(lambda: len(ca.inventory("j11").shards[0].versions) == 5, what="A took version 7")
+    wait_until(lambda: len(ca.inventory("j11").shards[0].versions) == 6, what="A took version 7")
     versions = list(ca.inventory("j11").shards[0].versions)
-    assert versions == [7, 6, 5, 4, 3], versions  # slots 7, 6; the daemon's copy and W=4 deltas
-    for v in (7, 5, 3):
+    assert versions == [7, 6, 5, 4, 3, 2], versions  # slots 7, 6; the daemon's copy and keep_deltas = 5 deltas
+    for v in (7, 5, 2):
         assert_bitwise_equal(codec.decode(ca.fetch("j11", 0, 2, version=v)), states[v - 1])
     with pytest.raises(ReplicaError) as e:
-        ca.fetch("j11", 0, 2, version=2)
+        ca.fetch("j11", 0, 2, version=1)
     assert e.value.code == "NOT_FOUND" and "deltas kept" in str(e.value)
