@@ -189,10 +189,15 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
         row = {**f, "index": i, "hit": True, "after_step": first.get("after_step"), "killed_at": killed,
                "downtime": (nxt["time"] - killed) if nxt else None,
                "stall": max((b - a for a, b in zip(times, times[1:])), default=None)}
-        if f["kind"] in ("daemon", "slow", "pause", "straggler"):
-            row.update(v_star=None, steps_lost=0)  # training went on: nothing rolled back
+        # Training goes on after these, unless something restarted the group before the next failure (a commit
+        # held past the watchdog's deadline, say): then that restart is this failure's, and so are its steps lost.
+        restart = next((p for p in progress if after < p["time"] < until and p.get("attempt", 0) > last["attempt"]),
+                       None)
+        if f["kind"] in ("daemon", "slow", "pause", "straggler") and restart is None:
+            row.update(v_star=None, steps_lost=0, restarted=False)  # training went on: nothing rolled back
         else:  # the restore of the attempt after the last kill of this failure
             attempt = last["attempt"] + 1
+            row["restarted"] = f["kind"] in ("daemon", "slow", "pause", "straggler")
             mine_r = [e for e in restored if e["attempt"] == attempt]
             row.update(attempt=attempt, v_star=max((e["version"] for e in mine_r), default=None),
                        steps_lost=max((e["steps_lost"] for e in mine_r), default=None),
@@ -255,7 +260,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
                         _jsonl(failing / "events.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"benchmark": "chaos", "environment": environment("cpu"), "steps": steps, "schedule": schedule, "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
+    return {"benchmark": "chaos", "environment": environment("cpu"), "steps": steps, "schedule": schedule,
+            "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
             "reference_seconds": ref_wall, "step_seconds": ref_wall / steps, "bit_identical": not diffs,
             "differences": diffs[:20], "daemons_left": left, "shm_left": shm_left,
             "accounted_at_exit": exits, "work": str(work),
@@ -287,7 +293,8 @@ def summary(result: dict) -> dict:
 
 def report(result: dict) -> str:
     mb = lambda b: "-" if b is None else f"{b / 1e6:.1f}"  # noqa: E731
-    rows = [[str(r["index"]), label(r), str(r.get("after_step", "-")), str(r.get("v_star") or "-"),
+    rows = [[str(r["index"]), label(r) + (" (then a restart)" if r.get("restarted") else ""),
+             str(r.get("after_step", "-")), str(r.get("v_star") or "-"),
              "-" if r.get("steps_lost") is None else str(r["steps_lost"]),
              "-" if r.get("downtime") is None else f"{r['downtime']:.1f}",
              "-" if r.get("stall") is None else f"{r['stall']:.1f}"] for r in result["failures"] if r["hit"]]

@@ -3,7 +3,9 @@
 The daemon writes the newest version every holder of the rank has into the slot header; a commit reads it
 there (one load). Only past ``max_lag`` versions behind does the rank ask its daemon, which is also how a
 dead daemon is found (the header stops moving): then ``block`` holds the commit until replication is
-within ``max_lag`` (bounded by ``connect_timeout``), and ``skip`` goes on and says so. Every
+within ``max_lag`` (bounded by ``connect_timeout``), and ``skip`` goes on and says so. ``block`` never holds
+for a holder that is down (the daemon counts them in the header): its node is lost or its daemon restarting,
+and the ranks that would restart it may be waiting for this one in a collective. Every
 ``PUBLISH_EVERY`` seconds at a commit, when it lags, and on exit, the rank publishes its replicated version
 through the job's store (``Job.publish_replicated``: the job's global committed version)."""
 
@@ -39,6 +41,7 @@ class LagWatch:
         self.replicated = 0
         self._published = 0.0  # time.monotonic() of the last publication
         self._short = (0, 0.0, time.monotonic())  # commits held less than HOLD_LOG: count, seconds, since
+        self._down_said = False  # "not holding for a holder that is down" logged, until replication catches up
 
     def after_commit(self, step: int, slots: Slots, timed_out: bool) -> None:
         """The lag check of a commit of ``step`` into ``slots`` (``timed_out``: it overwrote an unread version)."""
@@ -58,8 +61,10 @@ class LagWatch:
                 self.replicated = header
         if step - self.replicated > self.job.cfg.max_lag:
             self._lag(step, slots)  # also how a dead daemon is found: its header stops moving
-        elif time.monotonic() - self._published > PUBLISH_EVERY:
-            self.publish(self.replicated)
+        else:
+            self._down_said = False
+            if time.monotonic() - self._published > PUBLISH_EVERY:
+                self.publish(self.replicated)
 
     def _lag(self, step: int, slots: Slots) -> None:
         cfg, rank = self.job.cfg, self.job.rank
@@ -75,6 +80,9 @@ class LagWatch:
             log.warning("rank %d: replication is %d versions behind (max_lag %d); policy skip: the daemon jumps to "
                         "the newest version", rank, behind, cfg.max_lag)
             return
+        if slots.holders_down():
+            self._holder_down(step)
+            return
         start = time.perf_counter()
         self.wait(step, timeout=cfg.connect_timeout, within=cfg.max_lag, attached=True, slots=slots)
         held = time.perf_counter() - start
@@ -83,6 +91,13 @@ class LagWatch:
                       "after %.0fs and training goes on", rank, step - self.replicated, held)
         else:
             self._held(step, held)
+
+    def _holder_down(self, step: int) -> None:
+        if not self._down_said:
+            self._down_said = True
+            log.warning("rank %d: replication is %d versions behind at step %d and a holder is down: policy block "
+                        "does not hold commits for it (its node is lost or its daemon restarting); it gets a full "
+                        "version when it is back", self.job.rank, step - self.replicated, step)
 
     def _held(self, step: int, held: float) -> None:
         """Says that a commit was held (policy block): each hold of HOLD_LOG seconds or more, the shorter ones
@@ -137,6 +152,9 @@ class LagWatch:
             if last - self.replicated <= within:
                 return
             if deadline is not None and now > deadline:
+                return
+            if slots is not None and slots.holders_down():  # waiting for a holder that is down helps nobody
+                self._holder_down(last)
                 return
             time.sleep(HEADER_POLL if slots is not None else 0.01)
 

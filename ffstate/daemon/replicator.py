@@ -60,6 +60,7 @@ class Holder:
     acked: int = 0  # newest version the holder committed (0: none, send a full version)
     failures: int = 0
     next_try: float = 0.0
+    down: bool = False  # its last push found it unreachable (not merely refusing): the lag policy does not wait for it
 
     def backoff(self) -> None:
         self.failures += 1
@@ -96,14 +97,20 @@ class LocalShard:
     def replicated_version(self) -> int:
         return min((h.acked for h in self.holders), default=0)
 
+    @property
+    def holders_down(self) -> int:
+        """Holders that lack the newest version taken and did not answer their last push."""
+        return sum(1 for h in self.holders if h.down and h.acked < self.base_version)
+
     def report(self) -> None:
-        """Writes ``replicated_version`` into the slot header, where the worker's commit reads its lag.
+        """Writes ``replicated_version`` (and ``holders_down``) into the slot header, where the worker's commit reads
+        its lag.
 
         Pushes to several holders report from their own threads, and a reset swaps the holders: each
         computes and writes under ``report_lock``, so the last write is always the current minimum.
         """
         with self.report_lock:
-            self.slots.set_replicated(self.replicated_version)
+            self.slots.set_replicated(self.replicated_version, self.holders_down)
 
     @property
     def paths(self) -> list[Path]:
@@ -305,9 +312,10 @@ class Replicator:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
                                           before_chunk=pace)
         except (ReplicaError, FFStateError) as e:
-            if not isinstance(e, ReplicaUnavailable):
+            holder.down = isinstance(e, ReplicaUnavailable)
+            if not holder.down:
                 holder.acked = 0  # whatever went wrong, the next push is a full version
-                shard.report()
+            shard.report()
             holder.backoff()
             log.warning("push of %s version %d to %s failed (%s); retry in %.1fs", k, version, holder.address, e,
                         holder.next_try - time.monotonic())
@@ -315,7 +323,7 @@ class Replicator:
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
         self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start, held[0])
-        holder.acked, holder.failures = version, 0
+        holder.acked, holder.failures, holder.down = version, 0, False
         shard.report()
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes

@@ -13,7 +13,9 @@ so it watches them, with no thread in the training process and no code in the us
   ``hang_ceiling`` (600 s, below NCCL's default timeout); ``hang_startup`` (600 s) until the rank's third
   commit after it attached (compilation, the DDP shadow step and a restore take their own time). It counts
   from the rank's newest commit, or its newest sign of life: its attach, the end of an ``ff.pause()``
-  (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang).
+  (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang), the
+  end of a commit held by the lag policy on any of the job's local ranks (``lag.py``: bounded on its own, and
+  the node's other ranks wait for the held one in their collectives).
 - **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's), the
   daemon sends SIGUSR1 to every local rank of that job (each worker registered ``faulthandler`` for it at
   entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder), waits a second,
@@ -108,6 +110,7 @@ class Watchdog:
         self.cfg, self.shards, self.kill, self.clock, self.sleep = cfg, shards, kill, clock, sleep
         self.ranks: dict[ShardKey, RankWatch] = {}
         self.hangs: collections.Counter[ShardKey] = collections.Counter()
+        self.held_seen: dict[str, float] = {}  # job -> the last look at which one of its local ranks was lag-held
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -143,12 +146,16 @@ class Watchdog:
         for key, slots in self.shards():
             try:
                 seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1])
+                if slots.lag_held():
+                    self.held_seen[key.job_id] = now
             except (ValueError, OSError, TypeError):  # slots closed meanwhile
                 continue
         stuck: dict[str, list[ShardKey]] = collections.defaultdict(list)
         with self._lock:
             for key in [k for k in self.ranks if k not in seen]:
                 del self.ranks[key]
+            for job in set(self.held_seen) - {k.job_id for k in seen}:
+                del self.held_seen[job]
             for key, (worker, commits, intervals) in seen.items():
                 if worker is None:
                     continue
@@ -156,7 +163,7 @@ class Watchdog:
                 if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh
                     w = self.ranks[key] = RankWatch(worker.pid, worker.alive)
                 self._observe(w, commits, intervals)
-                since = now - max(w.newest[1], worker.alive, w.attached)
+                since = now - max(w.newest[1], worker.alive, w.attached, self.held_seen.get(key.job_id, 0.0))
                 paused = worker.paused_until > now
                 deadline = self._deadline(w)
                 w.report = WatchReport(_median(w.steps), _median(w.computes), 0.0 if paused else since, deadline,

@@ -66,7 +66,10 @@ class Header(ctypes.LittleEndianStructure):
         # Worker, slot 0: wall-clock ns since its commit is held until replication catches up (policy block;
         # 0: not held). The other ranks then wait for it in their collectives: the daemon's pacer must not.
         ("lag_held_ns", _u64),
-        ("_pad2", ctypes.c_char * 48),
+        # Daemon, slot 0: how many of this rank's holders lack its newest version and did not answer the last
+        # push (down, or their node lost): the block policy does not hold a commit for them (lag.py).
+        ("holders_down", _u64),
+        ("_pad2", ctypes.c_char * 40),
         # Daemon, slot 0 (at creation): its doorbell, as this rank's id there, the name's length, the name.
         ("bell_id", _u64),
         ("bell_len", ctypes.c_uint16),

@@ -306,12 +306,18 @@ class Slots(WorkerFields):
         h.checksum = checksum
         h.checked_seq = view.seq
 
-    def set_replicated(self, version: int) -> None:
-        """The newest version every holder of this rank has (0: none, or forgotten)."""
+    def set_replicated(self, version: int, holders_down: int = 0) -> None:
+        """The newest version every holder of this rank has (0: none, or forgotten), and how many of the holders
+        that lack the newest version are down."""
         try:
+            self.headers[0].holders_down = holders_down
             self.headers[0].replicated = version
         except IndexError:  # closed (the job was dropped) while a push was finishing
             pass
+
+    def holders_down(self) -> int:
+        """What the daemon last wrote with ``set_replicated``: lagging holders that did not answer its last push."""
+        return self.headers[0].holders_down if self.headers else 0
 
     def comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
         """(collectives in flight, recent (start, end) times, the two newest commit times), seconds."""

@@ -38,6 +38,7 @@ def test_a_seeded_schedule_of_every_kind_of_failure_ends_bit_identical_and_leave
     events = [json.loads(line) for line in (tmp_path / "with-failures" / "events.jsonl").read_text().splitlines()]
     # The daemon killed alone: its node's two ranks found it gone, started one and re-attached, training on.
     daemon = rows[0]
+    assert not daemon["restarted"] and daemon["steps_lost"] == 0, daemon  # nobody waited for it to come back
     assert {e["rank"] for e in events if e["event"] == "daemon-restarted"} == {2 * daemon["node"], 2 * daemon["node"] + 1}
     # The node lost: every rank restored one version (I3) from the surviving node, its slots or its daemon (the
     # lost node's ranks from the replicas there; its own ranks stepped back through the deltas it keeps).

@@ -119,3 +119,32 @@ def test_a_commit_held_by_the_lag_policy_shows_in_the_header_until_it_is_release
         lag.wait(4, timeout=5.0, within=1, slots=worker)
         assert seen and seen[0] > 0.0 and lag.replicated == 3
         assert daemon.lag_held() == 0.0  # released
+
+
+def test_the_block_policy_does_not_hold_a_commit_for_a_holder_that_is_down(tmp_path, monkeypatch):
+    """A holder whose daemon is gone cannot catch up until its node's ranks restart it, and they may be waiting
+    for this rank in a collective: the daemon counts such holders in the header, and the hold ends on it."""
+    from ffstate.lag import LagWatch
+
+    with worker_and_daemon_slots(tmp_path, monkeypatch) as (state, worker, daemon):
+        polls = []
+
+        class Job:
+            rank, world = 0, 1
+
+            def publish_replicated(self, version):
+                pass
+
+        def sleep(_):  # the daemon's third push to the lagging holder finds it unreachable
+            polls.append(daemon.lag_held())
+            if len(polls) == 3:
+                daemon.set_replicated(1, holders_down=1)
+
+        monkeypatch.setattr("ffstate.lag.time.sleep", sleep)
+        lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
+        lag.replicated = 1
+        lag.wait(9, timeout=60.0, within=4, slots=worker)
+        assert len(polls) == 3 and lag.replicated == 1  # released at once, still lagging
+        assert daemon.lag_held() == 0.0 and worker.holders_down() == 1
+        daemon.set_replicated(9)  # a push went through: the count clears with the version
+        assert worker.holders_down() == 0 and worker.replicated() == 9

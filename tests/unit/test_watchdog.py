@@ -15,6 +15,7 @@ class FakeSlots:
         self.record = WorkerRecord(pid, attached, 0.0, stacks)
         self.done: list[tuple[int, float]] = []
         self.intervals: list[tuple[float, float]] = []
+        self.held = 0.0  # seconds its commit has been held by the lag policy (0: not held)
 
     def commit(self, version: int, t: float, waited: float = 0.0) -> None:
         self.done = (self.done + [(version, t)])[-2:]
@@ -29,6 +30,9 @@ class FakeSlots:
 
     def comm_marks(self):
         return 0, list(self.intervals), [t for _, t in self.done]
+
+    def lag_held(self):
+        return self.held
 
 
 def make(cfg: DaemonConfig, shards: dict):
@@ -94,6 +98,32 @@ def test_a_declared_pause_is_not_a_hang_and_the_deadline_counts_from_its_end(mon
     clock["now"] += 2.5
     dog.look()
     assert not signals and abs(dog.report(key).since_seconds - 1.5) < 1e-6
+
+
+def test_a_commit_held_by_the_lag_policy_is_not_a_hang_for_any_local_rank_of_its_job(monkeypatch):
+    """A held commit is bounded on its own (lag.py), and the node's other ranks wait for it in their collectives:
+    while it lasts, none of the job's local ranks is declared hung, and their deadlines count from its end."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    held, waiting = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
+    shards = {held: FakeSlots(31, 1000.0), waiting: FakeSlots(32, 1000.0)}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
+    for v in range(1, 6):
+        clock["now"] += 0.1
+        for s in shards.values():
+            s.commit(v, clock["now"])
+        dog.look()
+    shards[held].held = 0.1
+    for _ in range(20):  # 10 s held: five deadlines
+        clock["now"] += 0.5
+        dog.look()
+    assert not signals
+    shards[held].held = 0.0
+    clock["now"] += 1.5
+    dog.look()
+    assert not signals and abs(dog.report(waiting).since_seconds - 1.5) < 1e-6  # from the hold's end
+    clock["now"] += 1.0
+    dog.look()
+    assert (31, signal.SIGKILL) in signals and (32, signal.SIGKILL) in signals  # silent past it: hung
 
 
 def test_stacks_are_asked_for_before_the_kill_and_every_local_rank_of_the_job_goes(monkeypatch, tmp_path):
