@@ -180,6 +180,8 @@ class Node:
                          [h.address for h in shard.holders])
             else:
                 shard = self._create_local(key, manifest, cap, holders)
+                for h in shard.holders if discard_after else ():  # a restored worker on a new daemon: the
+                    h.resume = discard_after  # holders drop the dead run's versions past v* before the full version
             shard.razor = razor
         return self._describe(shard)
 

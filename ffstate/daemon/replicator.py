@@ -61,6 +61,7 @@ class Holder:
     failures: int = 0
     next_try: float = 0.0
     down: bool = False  # its last push found it unreachable (not merely refusing): the lag policy does not wait for it
+    resume: int = 0  # the job resumed at this version: the holder steps its replica back to it before anything else
 
     def backoff(self) -> None:
         self.failures += 1
@@ -129,6 +130,22 @@ class LocalShard:
             expected = before
         return out
 
+    def step_back_to(self, version: int) -> bool:
+        """Steps the daemon's copy back to ``version`` in place, dropping the newer deltas; when it cannot (out of
+        reach), forgets it and returns False. Call under ``lock``."""
+        try:
+            if self.base is None or version not in self.versions_back():
+                raise CodecError(f"version {version} is not within {self.versions_back()}")
+            while self.base_version != version:
+                v, before, packed, scalars = self.chain.pop()
+                self.base = codec.revert_snapshot(packed, self.base, scalars)
+                self.base_version = before
+            return True
+        except CodecError as e:
+            log.info("%s: the daemon's copy cannot step back to version %d (%s)", self.key, version, e)
+            self.base, self.base_version, self.chain = None, 0, []
+            return False
+
     def stepped_back(self, version: int) -> Snapshot | None:
         """A copy of the local rank's state at ``version``, reverted through the chain; None if out of reach.
         Call under ``lock``."""
@@ -167,22 +184,39 @@ class Replicator:
         return [Holder(p, self.make_client(p)) for p in (self.peers if addresses is None else addresses)]
 
     def reset(self, shard: LocalShard, addresses: list[str] | None = None, discard_after: int | None = None) -> None:
-        """Forgets what the holders have (a worker re-attached, e.g. after stepping back): full versions next.
+        """A worker re-attached: what the holders have is no longer known.
 
-        With ``discard_after``, first un-commits the slots' versions newer than it (the steps the worker
-        redoes), in the same round lock: between the reset and the worker's own view of its slots, the
-        replicator would otherwise take them as new versions.
+        Without a restore (``discard_after`` None or 0) replication starts over: full versions next. After a
+        restore to v* = ``discard_after`` (the steps past it are redone, maybe differently) it resumes at v*: the
+        slots' newer versions are un-committed, the daemon's copy steps back to v* through the deltas it keeps,
+        and each holder is asked to step its replica back to v* (dropping the dead run's newer versions) before
+        the next delta; a copy that cannot go back gets a full version. The holders keep their deltas, and the
+        node its reach back, so a failure right after a restart costs what one in a steady run does. All under
+        the round lock: between the reset and the worker's own view of its slots, the replicator would
+        otherwise take the discarded versions as new.
         """
         with shard.lock:
             if discard_after is not None:
                 shard.slots.discard_newer(discard_after)
+            kept = bool(discard_after) and shard.step_back_to(discard_after)
             with shard.report_lock:
-                old = shard.holders
+                old = {h.address: h for h in shard.holders}
                 shard.holders = self.holders(addresses)
-                shard.base, shard.base_version, shard.chain = None, 0, []
+                for h in shard.holders:
+                    had = old[h.address].acked if h.address in old else 0
+                    if kept and 0 < had <= discard_after:
+                        h.acked = had  # a version of the history the job resumed from: deltas go on from it
+                    elif discard_after:
+                        h.resume = discard_after
+                if not kept:
+                    shard.base, shard.base_version, shard.chain = None, 0, []
                 shard.slots.set_replicated(0)
-        for h in old:
+        for h in old.values():
             h.client.close()
+        if discard_after:
+            log.info("%s: resuming replication at version %d (%s)", shard.key, discard_after,
+                     "the daemon's copy stepped back to it" if kept else "the daemon's copy could not go back to "
+                     "it: full versions next")
 
     def stop(self, shard: LocalShard, wait: float = 5.0) -> None:
         shard.stop.set()
@@ -225,6 +259,9 @@ class Replicator:
             return []
         batch, full = [], None
         for h in due:
+            if h.resume:  # first its step back (then deltas, or a full version)
+                batch.append((h, []))
+                continue
             start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
             if start is None:
                 full = full or codec.encode_snapshot(shard.base, chunk_bytes=self.pacer.chunk_bytes())  # base changes in place
@@ -236,6 +273,9 @@ class Replicator:
     def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]]]]) -> None:
         def send(job: tuple[Holder, list[tuple[int, Packed]]]) -> bool:
             holder, versions = job
+            if holder.resume:
+                self._step_back(shard, holder)
+                return False
             return all(self._push(shard, v, holder, packed) for v, packed in versions)
 
         try:
@@ -293,6 +333,29 @@ class Replicator:
         shard.slots.mark_taken(view)
         shard.base_version = version
         return True
+
+    def _step_back(self, shard: LocalShard, holder: Holder) -> None:
+        """Asks ``holder`` to step its replica back to ``holder.resume``, where the job resumed: deltas go on from
+        there; a holder that cannot (it holds nothing, or not that far back) gets a full version."""
+        k, version = shard.key, holder.resume
+        try:
+            holder.client.step_back(k.job_id, k.rank, k.world_size, version)
+        except ReplicaUnavailable as e:
+            holder.down = True
+            holder.backoff()
+            shard.report()
+            log.warning("step back of %s at %s to version %d failed (%s); retry in %.1fs", k, holder.address,
+                        version, e, holder.next_try - time.monotonic())
+            return
+        except ReplicaError as e:
+            holder.resume, holder.acked, holder.down = 0, 0, False
+            log.info("holder %s cannot step %s back to version %d (%s): a full version next", holder.address, k,
+                     version, e.code)
+            return
+        holder.resume, holder.acked, holder.failures, holder.down = 0, version, 0, False
+        shard.report()
+        log.info("holder %s stepped %s back to version %d, where the job resumed: deltas go on from it",
+                 holder.address, k, version)
 
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key

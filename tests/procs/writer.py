@@ -1,9 +1,11 @@
 """A local worker for the daemon tests: attaches to a daemon and commits AdamW training states.
 
-    python tests/procs/writer.py ADDRESS JOB RANK WORLD STEPS [--from N] [--die-mid-write V] [--dump F]
+    python tests/procs/writer.py ADDRESS JOB RANK WORLD STEPS [--from N | --resume-at N] [--die-mid-write V]
+                                 [--dump F]
 
 Commits the states of ``helpers.train_states`` (deterministic) for versions N+1..STEPS, notifying
-the daemon after each, and prints "committed V" lines. ``--die-mid-write V`` SIGKILLs this process
+the daemon after each, and prints "committed V" lines. ``--resume-at N`` attaches as a worker restored to
+v* = N does (the daemon discards the slots' versions past N). ``--die-mid-write V`` SIGKILLs this process
 half-way through writing version V (the slot's sequence number odd, half its bytes new).
 """
 
@@ -30,6 +32,7 @@ def main() -> None:
     p.add_argument("world", type=int)
     p.add_argument("steps", type=int)
     p.add_argument("--from", dest="start", type=int, default=0)
+    p.add_argument("--resume-at", type=int, default=0, help="attach as a worker restored to this version, and go on")
     p.add_argument("--die-mid-write", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wait-replicated", action="store_true", help="after each commit, wait until every holder has it")
@@ -44,7 +47,9 @@ def main() -> None:
         torch.save(states, a.dump)
     manifest = layout.describe(states[0])
     client = Client(a.address, os.environ["FFSTATE_TOKEN"])
-    resp = client.attach(a.job, a.rank, a.world, manifest)
+    if a.resume_at:
+        a.start = a.resume_at
+    resp = client.attach(a.job, a.rank, a.world, manifest, discard_after=a.resume_at or None)
     slots = shm.Slots(list(resp.slot_paths), manifest)
     writer = SlotWriter(slots)
     print(f"attached {resp.committed_version}", flush=True)

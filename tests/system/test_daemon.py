@@ -106,27 +106,26 @@ def test_step_back_w_versions_bit_exact(pair, tmp_path):
     assert e.value.code == "NOT_FOUND"
 
 
-def test_reattach_after_a_restore_discards_the_redone_steps_before_replication_resets(pair, tmp_path):
-    """A worker restored to v* = 3 re-attaches while the slots still hold 4 and 5 of the run that died: the
-    daemon un-commits them before it forgets what the holders have, so it never re-reads them as new
-    versions and pushes them again in full (the steps 4 and 5 are about to be redone, maybe differently)."""
+def test_reattach_after_a_restore_resumes_replication_at_v_star_with_deltas(pair, tmp_path):
+    """A worker restored to v* = 3 re-attaches while the slots still hold 4 and 5 of the run that died, and the
+    holder has them too: the daemon un-commits them (never re-read as new versions), steps its own copy back to
+    3, and asks the holder to step back to 3; the redone steps (different here: another seed) then go out as
+    deltas on 3, no full version. Both keep their reach back across the restart."""
     a, b = pair
-    run_writer(a, "j9", 5, tmp_path, "--wait-replicated")
-    wait_until(lambda: held_version(b.client(), "j9", 0) == 5, what="B at version 5")
-    ca = a.client()
-    desc = ca.lookup("j9", 0, 2)
-    assert sorted(desc.committed_versions) == [4, 5]
-    manifest = layout.Manifest.from_json(desc.manifest_json)
+    _, old = run_writer(a, "j9", 5, tmp_path, "--wait-replicated")
+    cb, ca = b.client(), a.client()
+    wait_until(lambda: held_version(cb, "j9", 0) == 5, what="B at version 5")
+    assert sorted(ca.lookup("j9", 0, 2).committed_versions) == [4, 5]
     fulls = len(re.findall(r"version \d+ to \S+: full", a.log()))
-    resp = ca.attach("j9", 0, 2, manifest, discard_after=3)
-    assert list(resp.committed_versions) == []  # described after the discard, in the same call
-    time.sleep(0.5)  # the replicator looks at the slots every 5 ms: a re-read of 4 or 5 would be pushed by now
-    assert len(re.findall(r"version \d+ to \S+: full", a.log())) == fulls, a.log()[-2000:]
-    slots = shm.Slots([Path(p) for p in resp.slot_paths], manifest)
-    try:
-        assert slots.committed() == [] and slots.replicated() == 0  # replication starts over, from nothing
-    finally:
-        slots.close()
+    proc, new = run_writer(a, "j9", 7, tmp_path, "--resume-at", "3", "--seed", "1", "--wait-replicated")
+    assert "attached 0" in proc.stdout  # described after the discard, in the same call
+    wait_until(lambda: held_version(cb, "j9", 0) == 7, what="B at version 7")
+    assert len(re.findall(r"version \d+ to \S+: full", a.log())) == fulls, a.log()[-3000:]
+    assert re.search(r"stepped j9/rank 0 of 2 back to version 3, where the job resumed", a.log())
+    assert list(cb.inventory("j9").shards[0].versions)[:5] == [7, 6, 5, 4, 3]  # 5, 4: the redone ones
+    for v, want in ((7, new[6]), (4, new[3]), (3, old[2])):
+        assert_bitwise_equal(codec.decode(cb.fetch("j9", 0, 2, version=v)), want)
+    assert_bitwise_equal(codec.decode(ca.fetch("j9", 0, 2, version=3)), old[2])  # the node's copy reaches back
 
 
 def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
