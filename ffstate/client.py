@@ -41,6 +41,9 @@ class Tls:
     server_name: str | None = None  # the name in the daemon's certificate, when it is not the address's host
 
 
+RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 1000
+
+
 class Client:
     """One daemon's client. Thread-safe; ``close()`` (or ``with``) releases the channel."""
 
@@ -61,6 +64,11 @@ class Client:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # A daemon that restarts (its node's workers start a new one within seconds) is reached again within
+            # RECONNECT_MAX_MS of coming back, not gRPC's default of up to two minutes of reconnect backoff.
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
         ]
         if tls is None:
             self._channel = grpc.insecure_channel(address, options=options)

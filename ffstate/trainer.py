@@ -26,6 +26,7 @@ from ffstate.config import Config
 from ffstate.daemon import launch
 from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
+from ffstate import lag as lag_mod
 from ffstate.lag import LagWatch
 from ffstate.pacing import PacingSignals
 from ffstate.razor_verify import RazorVerifier
@@ -275,5 +276,5 @@ class Replicated:
         log.error("rank %d: the node's daemon is gone (%s); restarting it and re-attaching", self.rank, error)
         self._detach()
         self.daemon = launch.node_daemon(self.job, publish=False)
-        self.lag.replicated = 0
+        self.lag.replicated, self.lag.settle = 0, lag_mod.SETTLE_COMMITS  # its holders get full versions again
         self.job.record({"event": "daemon-restarted", "step": self._last})

@@ -4,12 +4,15 @@ when nothing answers at the node's address (DESIGN.md section 7), with a command
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
 from ffstate import placement
 from ffstate.client import Client
@@ -39,10 +42,16 @@ def node_daemon(job: Job, publish: bool = True) -> Client:
                            "never leave their nodes. Set FFSTATE_DAEMON_HOST to this node's address on the network "
                            "the training uses, or GLOO_SOCKET_IFNAME to that interface")
     client = job.client(address)
-    if topo.first_on_node and not answers(client) and cfg.start_daemon:
-        start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
-        log.info("rank %d: started the daemon of %s at %s (log %s)", job.rank, topo.node_id, address,
-                 job.run_dir / f"daemon-{topo.node_id}.log")
+    # At entry the node's first rank starts it. A daemon lost while training runs is started again by whichever
+    # local rank finds it gone first: waiting for the first rank could wait for ever, since that rank may be
+    # inside a collective that waits for this one.
+    if cfg.start_daemon and (topo.first_on_node or not publish):
+        with _starting(job.run_dir, topo.node_id) as started:
+            if not started() and not answers(client):
+                pid = start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
+                started(pid)
+                log.info("rank %d: started the daemon of %s at %s (log %s)", job.rank, topo.node_id, address,
+                         job.run_dir / f"daemon-{topo.node_id}.log")
     deadline = time.monotonic() + cfg.connect_timeout
     while True:
         try:
@@ -99,13 +108,51 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
         hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio)
 
 
-def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> None:
+def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:
     """Starts ``ffstate serve`` with ``dcfg``'s flags, in a session of its own (it outlives this worker and
-    torchrun's restarts of it), logging to the run folder; the token goes in its environment."""
+    torchrun's restarts of it), logging to the run folder; the token goes in its environment. Returns its pid."""
     args = [sys.executable, "-m", "ffstate.cli", "serve", *dcfg.to_args()]
     with open(run_dir / f"daemon-{dcfg.node_id}.log", "a") as out:
-        subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                         env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True)
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True).pid
+
+
+@contextlib.contextmanager
+def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., bool]]:
+    """The node's ranks start its daemon one at a time (a lock file in the run folder). Inside, ``started()`` says
+    whether a daemon started by one of them is still starting (its process alive: it listens within seconds), and
+    ``started(pid)`` records one: two ranks that find the daemon gone together start one, not two."""
+    path = run_dir / f"daemon-{node_id}.starting"
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            def started(pid: int | None = None) -> bool:
+                if pid is not None:
+                    f.seek(0)
+                    f.truncate()
+                    f.write(str(pid))
+                    f.flush()
+                    return True
+                f.seek(0)
+                try:
+                    return _alive(int(f.read().strip() or 0))
+                except ValueError:
+                    return False
+
+            yield started
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _alive(pid: int) -> bool:
+    """A process that runs (not a zombie: a daemon that died and was not reaped yet does not count)."""
+    if pid <= 0:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def answers(client: Client) -> bool:

@@ -67,7 +67,10 @@ class Node:
         # Pushing to TLS peers: verify them with --tls-ca, and present this daemon's own certificate
         # (peers that run mutual TLS ask for one).
         tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
-        self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0), list(cfg.peers),
+        # No retries inside a push: a holder that does not answer is marked down at once (a held commit stops
+        # waiting for it, lag.py) and retried on the replicator's own backoff.
+        self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0, retries=0),
+                                     list(cfg.peers),
                                      pacer or self._pacer(), poll_interval=cfg.slot_poll, keep=cfg.keep_deltas)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()

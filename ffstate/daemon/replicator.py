@@ -65,7 +65,9 @@ class Holder:
 
     def backoff(self) -> None:
         self.failures += 1
-        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), 5.0)
+        # At most a second: a holder's daemon restarted by its node's workers is back within seconds, and until it
+        # is re-seeded this rank's only copy is its own node's.
+        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), 1.0)
 
 
 @dataclass
