@@ -175,17 +175,19 @@ class Watchdog:
         for job, keys in stuck.items():
             self._act(job, keys, now)
 
-    def _observe(self, w: RankWatch, commits: list[tuple[int, float]], intervals: list[tuple[float, float]]) -> None:
-        mine = [(v, t) for v, t in commits if t >= w.attached]
-        if not mine or mine[-1] == w.newest:
+    def _observe(self, w: RankWatch, commits: list[tuple[int, float, float]],
+                 intervals: list[tuple[float, float]]) -> None:
+        mine = [(v, t, h) for v, t, h in commits if t >= w.attached]
+        if not mine or mine[-1][:2] == w.newest:
             return
         w.commits += max(1, mine[-1][0] - w.newest[0]) if w.newest[0] else 1
-        w.newest = mine[-1]
+        w.newest = mine[-1][:2]
         if len(mine) == 2 and mine[1][0] == mine[0][0] + 1 and mine[1][1] > mine[0][1]:
-            (_, a), (_, b) = mine
+            (_, a, _), (_, b, held) = mine
             w.steps.append(b - a)
+            # Its compute: the step less its waits in the collectives and in a commit held by the lag policy.
             waited = sum(min(e, b) - max(s, a) for s, e in merge_intervals(intervals) if e > a and s < b)
-            w.computes.append(max(b - a - waited, 0.0))
+            w.computes.append(max(b - a - waited - held, 0.0))
 
     def _deadline(self, w: RankWatch) -> float:
         cfg = self.cfg

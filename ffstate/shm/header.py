@@ -53,7 +53,9 @@ class Header(ctypes.LittleEndianStructure):
         # older write's checksum.
         ("checked_seq", _u64),
         ("checksum", _u64),
-        ("_pad1", _u64),
+        # Worker: how long the step this slot's commit ends was held by the lag policy (the hold after the previous
+        # commit), ns: the watchdog does not count it as the rank's compute (a held rank is not a straggler).
+        ("held_ns", _u64),
         # Worker (every slot): the razor's verification counters, for the daemon's reports.
         ("razor_verifications", _u64),
         ("razor_mismatches", _u64),

@@ -246,7 +246,8 @@ class Slots(WorkerFields):
                             f"{self.scalars_capacity}; attach with a larger scalars_capacity")
         self._maps[k][PAGE : PAGE + len(raw)] = raw
         h = self.headers[k]
-        h.version, h.scalars_len, h.commit_ns = version, len(raw), time.time_ns()
+        h.version, h.scalars_len, h.commit_ns, h.held_ns = version, len(raw), time.time_ns(), self.held_pending
+        self.held_pending = 0
         h.seq += 1  # even: committed
         if self._bell is not None:
             self._bell.ring()

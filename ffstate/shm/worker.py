@@ -35,9 +35,14 @@ class WorkerFields:
         return WorkerRecord(h.worker_pid, h.alive_ns / 1e9, h.paused_until_ns / 1e9,
                             bytes(h.stacks_path[:n]).decode(errors="replace"))
 
-    def commits(self) -> list[tuple[int, float]]:
-        """(version, wall-clock seconds) of each committed slot's commit, oldest first."""
-        return sorted((h.version, h.commit_ns / 1e9) for h in self.headers if h.seq and h.seq % 2 == 0 and h.commit_ns)
+    _held_since: int = 0  # worker side: time.time_ns() when the current hold began
+    held_pending: int = 0  # worker side: ns held since the last commit, written with the next one (``publish``)
+
+    def commits(self) -> list[tuple[int, float, float]]:
+        """(version, wall-clock seconds, seconds its step was held by the lag policy) of each committed slot's
+        commit, oldest first."""
+        return sorted((h.version, h.commit_ns / 1e9, h.held_ns / 1e9) for h in self.headers
+                      if h.seq and h.seq % 2 == 0 and h.commit_ns)
 
     def set_worker(self, pid: int, stacks_path: str) -> None:
         """The worker that attached: its process and where its stacks go (for its daemon's watchdog)."""
@@ -63,8 +68,14 @@ class WorkerFields:
 
     def set_lag_held(self, held: bool) -> None:
         """The worker's commit is held until replication catches up (policy block), or no longer."""
+        now = time.time_ns()
+        if held:
+            self._held_since = now
+        elif self._held_since:
+            self.held_pending += now - self._held_since
+            self._held_since = 0
         try:
-            self.headers[0].lag_held_ns = time.time_ns() if held else 0
+            self.headers[0].lag_held_ns = now if held else 0
         except IndexError:
             pass
 

@@ -17,8 +17,8 @@ class FakeSlots:
         self.intervals: list[tuple[float, float]] = []
         self.held = 0.0  # seconds its commit has been held by the lag policy (0: not held)
 
-    def commit(self, version: int, t: float, waited: float = 0.0) -> None:
-        self.done = (self.done + [(version, t)])[-2:]
+    def commit(self, version: int, t: float, waited: float = 0.0, held: float = 0.0) -> None:
+        self.done = (self.done + [(version, t, held)])[-2:]
         if waited:
             self.intervals.append((t - waited - 0.01, t - 0.01))
 
@@ -29,7 +29,7 @@ class FakeSlots:
         return list(self.done)
 
     def comm_marks(self):
-        return 0, list(self.intervals), [t for _, t in self.done]
+        return 0, list(self.intervals), [t for _, t, _ in self.done]
 
     def lag_held(self):
         return self.held
@@ -156,6 +156,21 @@ def test_a_straggler_is_reported_from_its_compute_against_its_node_s_other_ranks
         dog.look()
     assert abs(dog.report(slow).straggler_ratio - 0.5 / 0.2) < 1e-6 and dog.report(fast).straggler_ratio < 1
     assert dog.ranks[slow].warned and not dog.ranks[fast].warned
+
+
+def test_a_rank_held_by_the_lag_policy_is_not_a_straggler(monkeypatch):
+    """After a restart its commits are held until replication catches up (lag.py): the others wait for it in
+    their collectives, but the held time is not its compute."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    held, other = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
+    shards = {held: FakeSlots(41, 1000.0), other: FakeSlots(42, 1000.0)}
+    dog, clock, _ = make(DaemonConfig(), shards)
+    for v in range(1, 6 + STRAGGLER_LOOKS):
+        clock["now"] += 0.5
+        shards[held].commit(v, clock["now"], waited=0.0, held=0.3)  # 0.3 s of its 0.5 s step held
+        shards[other].commit(v, clock["now"], waited=0.3)
+        dog.look()
+    assert dog.report(held).straggler_ratio < 1.5 and not dog.ranks[held].warned
 
 
 def test_where_reads_the_main_thread_from_a_faulthandler_dump():
