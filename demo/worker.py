@@ -4,12 +4,14 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 FFSTATE_SIMULATED_NODES=2 \\
         torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo.worker --out DIR [--steps 40]
         [--kill-rank R --kill-step S [--kill-phase after-commit|mid-step|mid-commit]]
-        [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--chaos FILE] [--no-ffstate]
+        [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--kill-job-steps S,...]
+        [--chaos FILE] [--no-ffstate]
 
 ``--kill-rank`` SIGKILLs rank R at step S: right after its commit (default), in the middle of the
 step (after backward, before the optimizer step), or in the middle of the commit (the slot half
 written). ``--kill-node`` SIGKILLs node N's daemon and every rank of node N after step S.
-``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. Each failure
+``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. ``--kill-job-steps``
+SIGKILLs every daemon and every rank after each of those steps (the whole job lost). Each failure
 happens once (a marker file in DIR). ``--chaos`` takes a whole schedule of failures (``faults.py``).
 At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
 ``ffstate demo`` (``demo/main.py``) runs this twice and compares.
@@ -75,6 +77,8 @@ def main() -> None:
     p.add_argument("--kill-daemon-step", type=int, default=0)
     p.add_argument("--kill-node", type=int, default=-1)
     p.add_argument("--kill-node-step", type=int, default=0)
+    p.add_argument("--kill-job-steps", default="", help="comma-separated steps after which the whole job is lost "
+                   "(every daemon and every rank SIGKILLed), each once; relaunch it as on new machines")
     p.add_argument("--chaos", type=Path, help="a JSON schedule of failures (demo/faults.py; ffstate bench chaos)")
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
     p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2", "manual"), default="ddp-zero",
@@ -176,6 +180,8 @@ def main() -> None:
                     kill_daemon(a.kill_daemon)
                 if step + 1 == a.kill_node_step and a.kill_node >= 0:
                     _maybe_kill_node(a, rank, per_node, step + 1)
+                if str(step + 1) in a.kill_job_steps.split(","):
+                    _maybe_kill_job(a.out, rank, world // per_node, step + 1)
                 if step + 1 == a.status_step and rank == 0:
                     _status(a.out / "status.txt", world // per_node)
     final = {"params": dict(capture.local(model.state_dict())), "optim": capture.local(capture.optimizer_state(opt)),
@@ -201,6 +207,22 @@ def _maybe_kill_node(a: argparse.Namespace, rank: int, per_node: int, step: int)
         if rank % per_node == 0:
             kill_daemon(a.kill_node)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _maybe_kill_job(out: Path, rank: int, nodes: int, step: int) -> None:
+    """Once per step: every rank has committed ``step``; then every node's daemon and every rank go (SIGKILL)."""
+    marker = out / f"killed-job-{step}"
+    due = not marker.exists()
+    dist.barrier()
+    if not due:
+        return
+    if rank == 0:
+        marker.touch()
+        _note(out, {"failure": "job", "after_step": step, "time": time.time()})
+        for node in range(nodes):
+            kill_daemon(node)
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _status(path: Path, nodes: int) -> None:

@@ -158,6 +158,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"replication chunk on the wire; replication shared the link with them {inv.overlap_seconds:.2f} s")
     for address, inv, *_ in {r[0]: r for r in rows}.values():
         print(f"{address} ({inv.node_id}): {inv.bytes_used / 1e6:.1f} MB of {inv.bytes_budget / 1e6:.0f} MB budget")
+        if inv.HasField("persist"):
+            p = inv.persist
+            print(f"{address} ({inv.node_id}): persistent tier {p.dir} every {p.every} steps: {p.flushed} ranks' "
+                  f"versions flushed ({p.bytes / 1e6:.1f} MB, the newest in {p.seconds:.2f} s), {p.skipped} skipped, "
+                  f"{p.failed} failed; newest complete version {p.newest_complete or '-'}"
+                  + (f"; last error: {p.error}" if p.error else ""))
     return 1 if failed else 0
 
 
@@ -220,6 +226,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the deadline until a rank's third commit after it attached (default 600)")
     p.add_argument("--straggler-ratio", type=float, default=1.5, metavar="X",
                    help="warn about a rank whose compute a step stays above X times its node's median (default 1.5)")
+    p.add_argument("--persist-dir", type=Path, default=None, metavar="DIR",
+                   help="flush the local ranks' committed versions here, in the torch.distributed.checkpoint format "
+                        "(a directory every node reaches; default: off)")
+    p.add_argument("--persist-every", type=int, default=DaemonConfig.persist_every, metavar="N",
+                   help=f"flush versions whose step is a multiple of N (default {DaemonConfig.persist_every}); one "
+                        "due while a flush still runs is skipped")
+    p.add_argument("--persist-keep", type=int, default=DaemonConfig.persist_keep, metavar="N",
+                   help=f"complete versions kept per job (default {DaemonConfig.persist_keep})")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")

@@ -131,14 +131,15 @@ class Client:
 
     def attach(self, job_id: str, rank: int, world_size: int, manifest: Manifest, scalars_capacity: int = 0,
                holders: Sequence[str] = (), razor: RazorReport | None = None,
-               discard_after: int | None = None) -> pb.AttachResponse:
+               discard_after: int | None = None, persist_keys: bytes = b"") -> pb.AttachResponse:
         """Creates (or finds) the rank's slots; ``holders`` are where its replicas go (default: the daemon's peers);
         ``razor`` says what the rank replicates of its state, for the daemon's reports; ``discard_after``:
-        the version the worker goes on from, past which the daemon un-commits what its slots hold."""
+        the version the worker goes on from, past which the daemon un-commits what its slots hold;
+        ``persist_keys``: the DCP key map for the persistent tier (``ffstate.persist.keys``)."""
         req = pb.AttachRequest(shard=shard(job_id, rank, world_size), manifest_json=manifest.to_json(),
                                scalars_capacity=scalars_capacity, holders=list(holders),
                                razor=wire.to_proto(razor) if razor is not None else None,
-                               discard_after=discard_after)
+                               discard_after=discard_after, persist_keys=persist_keys)
         return self._call("attach", lambda: self._attach(req, **self._kw()))
 
     def lookup(self, job_id: str, rank: int, world_size: int) -> pb.AttachResponse | None:

@@ -99,6 +99,13 @@ class Config:
         straggler_ratio: a rank whose compute time a step (the step less its wait in the
             collectives) stays above this multiple of its node's median is warned about as a
             straggler (reported, never acted on).
+        persist_dir: the persistent tier (``ffstate/persist/``): each node's daemon writes its local ranks'
+            committed versions here in the torch.distributed.checkpoint format, and a job that finds no live
+            copy resumes from the newest complete one. Every node must reach it (a shared filesystem across
+            machines); "" is off. Started daemons get it, and the workers read from it.
+        persist_every: a version is flushed every this many steps (its number a multiple of it); a flush still
+            running when the next is due makes the daemon skip that one (counted and logged).
+        persist_keep: complete versions kept per job; older ones, and torn ones, are removed.
     """
 
     chunk_bytes: int = 1 << 20
@@ -135,9 +142,13 @@ class Config:
     hang_startup: float = 600.0
     pause_limit: float = 3600.0
     straggler_ratio: float = 1.5
+    persist_dir: str = ""
+    persist_every: int = 10
+    persist_keep: int = 2
 
     def __post_init__(self) -> None:
         check_hang(self)
+        check_persist(self)
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.codec_threads < 0:
@@ -214,6 +225,12 @@ def check_hang(cfg: "Config | DaemonConfig") -> None:
         raise ValueError(f"pause_limit must be > 0 seconds, got {cfg.pause_limit}")
 
 
+def check_persist(cfg: "Config | DaemonConfig") -> None:
+    """The persistent tier's knobs, refused at once when they cannot work."""
+    if cfg.persist_every < 1 or cfg.persist_keep < 1:
+        raise ValueError(f"persist_every and persist_keep must be >= 1, got {cfg.persist_every}, {cfg.persist_keep}")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
@@ -253,9 +270,14 @@ class DaemonConfig:
     hang_ceiling: float = 600.0
     hang_startup: float = 600.0
     straggler_ratio: float = 1.5
+    # The persistent tier (Config's fields of the same names say what each does)
+    persist_dir: Path | None = None
+    persist_every: int = 10
+    persist_keep: int = 2
 
     def __post_init__(self) -> None:
         check_hang(self)
+        check_persist(self)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if not 0 < self.link_share <= 1:

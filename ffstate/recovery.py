@@ -15,9 +15,10 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
-from ffstate import codec, layout, placement, razor, shm
+from ffstate import codec, layout, persist, placement, razor, shm
 from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client, stream_striped
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
@@ -36,10 +37,16 @@ class Available:
     local: list[int] = field(default_factory=list)  # versions in its node's slots
     remote: dict[str, list[int]] = field(default_factory=dict)  # holder address -> versions
     nbytes: int = 0  # the most memory a holder says the shard takes there: a bound on what a fetch may allocate
+    disk: list[int] = field(default_factory=list)  # complete versions of the persistent tier
+    disk_dir: Path | None = None  # the job's folder there
+
+    @property
+    def live(self) -> set[int]:
+        return set(self.local).union(*self.remote.values())
 
     @property
     def versions(self) -> set[int]:
-        return set(self.local).union(*self.remote.values())
+        return self.live | set(self.disk)
 
 
 @dataclass
@@ -102,33 +109,47 @@ def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.A
     return got
 
 
-def restorable(available: dict[int, Available]) -> set[int]:
-    """The versions at which every one of the shards can be had from some live copy."""
-    sets = [a.versions for a in available.values()]
+def restorable(available: dict[int, Available], live_only: bool = False) -> set[int]:
+    """The versions at which every one of the shards can be had from some copy (``live_only``: in memory)."""
+    sets = [a.live if live_only else a.versions for a in available.values()]
     return set.intersection(*sets) if sets else set()
 
 
-def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: int = 0) -> tuple[int, int]:
+def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: int = 0, live: set[int] | None = None,
+              check: Callable[[list[int]], set[int]] | None = None) -> tuple[int, int]:
     """(v*, newest version any rank has), the same on every rank.
 
     ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs
     (so that a job whose copies are partly lost is never taken for a new one); ``missing`` says, for
-    the error every rank raises, which of those shards has no live copy at all.
+    the error every rank raises, which of those shards has no live copy at all. ``live`` (of ``mine``)
+    is what it has in memory; the rest is on disk, and when v* would be read from the disk by any rank,
+    every rank first ``check``s its disk-only versions (reading their files: newest first, the good ones
+    returned) and the ranks agree again on what passed: a torn or corrupted version is never chosen.
 
     Raises:
         FFStateError: some ranks have versions and others none in common: restoring any version would
             mix steps (never done), and restarting from scratch would silently lose the job's progress.
     """
+    live = mine if live is None else live
     if job.store is None:
-        return (max(mine), max(mine)) if mine else (0, 0)
-    told = job.exchange("versions", {"versions": sorted(mine), "missing": missing or [], "seen": max([seen, *mine])},
-                        range(job.world), NEGOTIATE_TIMEOUT)
+        told = [{"versions": sorted(mine), "live": sorted(live), "seen": max([seen, *mine]), "missing": missing or []}]
+    else:
+        told = job.exchange("versions", {"versions": sorted(mine), "live": sorted(live), "missing": missing or [],
+                                         "seen": max([seen, *mine])}, range(job.world), NEGOTIATE_TIMEOUT)
     everyone = [set(t["versions"]) for t in told]
     last = max(t["seen"] for t in told)
+    lost = sorted({line for t in told for line in t["missing"]})
     common = set.intersection(*everyone) if everyone else set()
+    if common and check is not None and any(max(common) not in set(t["live"]) for t in told):
+        mine = live | check(sorted(mine - live, reverse=True))
+        if job.store is not None:
+            told = job.exchange("versions-checked", {"versions": sorted(mine)}, range(job.world), NEGOTIATE_TIMEOUT)
+        else:
+            told = [{"versions": sorted(mine)}]
+        everyone = [set(t["versions"]) for t in told]
+        common = set.intersection(*everyone)
     if common:
         return max(common), last
-    lost = sorted({line for t in told for line in t["missing"]})
     if last:  # some copy of the job exists: refuse, never start over silently
         missing_ranks = [r for r, v in enumerate(everyone) if not v]
         detail = ("; ".join(lost) + ". ") if lost else ""
@@ -176,17 +197,23 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
         log.warning("version %d of rank %d left this node's slots while restoring; fetching it from the holders",
                     version, rank)
     sources = [a for a, v in mine.remote.items() if version in v]
-    if not sources:
-        raise ReplicaUnavailable(f"rank {rank}: no live copy of version {version} (holders: {mine.remote})")
-    # Decodes each chunk as it arrives, while the rest is on the wire; a header asking for more memory than
-    # the holders said the shard takes is refused before anything is allocated.
-    decoder = codec.Decoder(max_nbytes=mine.nbytes or None)
-    try:
-        stream_striped([holders[a] for a in sources], job, rank, world, version, decoder.add)
-        state = decoder.state()
-    except (ReplicaError, CodecError) as e:
-        raise ReplicaUnavailable(f"rank {rank}: fetching version {version} from {sources} failed: {e}") from e
-    return state, ",".join(sources), int(decoder.header["nbytes"])
+    if sources:
+        # Decodes each chunk as it arrives, while the rest is on the wire; a header asking for more memory than
+        # the holders said the shard takes is refused before anything is allocated.
+        decoder = codec.Decoder(max_nbytes=mine.nbytes or None)
+        try:
+            stream_striped([holders[a] for a in sources], job, rank, world, version, decoder.add)
+            return decoder.state(), ",".join(sources), int(decoder.header["nbytes"])
+        except (ReplicaError, CodecError) as e:
+            if version not in mine.disk:
+                raise ReplicaUnavailable(f"rank {rank}: fetching version {version} from {sources} failed: {e}") from e
+            log.warning("rank %d: fetching version %d from %s failed (%s); reading the persisted copy", rank, version,
+                        sources, e)
+    if version in mine.disk and mine.disk_dir is not None:
+        vdir = persist.version_dir(mine.disk_dir, version)
+        state, nbytes = persist.read_shard(vdir, rank)  # checked against the version's checksum
+        return state, f"persisted {vdir}", nbytes
+    raise ReplicaUnavailable(f"rank {rank}: no copy of version {version} (holders: {mine.remote})")
 
 
 # ---------------------------------------------------------------- the whole flow
@@ -210,13 +237,21 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
     # This node's daemon counts too: it holds other nodes' ranks' replicas (their parts, under the razor).
     daemons = {a: job.client(a) for a in [daemon.address, *holders, *_other_daemons(job, needed, holders)]}
     available = survey_ranks(job.job, needed, job.world, lookups, daemons, daemon)
+    disk_dir = Path(job.cfg.persist_dir) / job.job if job.cfg.persist_dir else None
+    reached = 0
+    if disk_dir is not None:  # the persistent tier: its complete versions (checked before any is read)
+        done = persist.complete_versions(disk_dir)
+        reached = persist.reached(disk_dir)
+        for a in available.values():
+            a.disk, a.disk_dir = done, disk_dir
     missing = _missing(job, available, razor_on=bool(group))
     if any(a.versions for a in available.values()):
         log.info("rank %d: copies found (newest versions per shard and source): %s", me,
-                 {r: {"slots": sorted(a.local)[-3:], **{s: sorted(v)[-3:] for s, v in a.remote.items()}}
-                  for r, a in available.items()})
-    seen = max((max(a.versions) for a in available.values() if a.versions), default=0)
-    v, last = negotiate(job, restorable(available), missing=missing, seen=seen)
+                 {r: {"slots": sorted(a.local)[-3:], **{s: sorted(v)[-3:] for s, v in a.remote.items()},
+                      **({"persisted": a.disk[-3:]} if a.disk else {})} for r, a in available.items()})
+    seen = max([reached, *(max(a.versions) for a in available.values() if a.versions)])
+    v, last = negotiate(job, restorable(available), missing=missing, seen=seen,
+                        live=restorable(available, live_only=True), check=lambda vs: _checked(disk_dir, vs, needed))
     if v == 0:
         log.info("rank %d: no replicas of job %s: starting at step 0", me, job.job)
         return None
@@ -258,6 +293,19 @@ def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, A
                 "source": got.source, "parts_from": parts, "bytes": got.nbytes, "restore_seconds": got.seconds,
                 "entry_seconds": got.entry_seconds})
     return got
+
+
+def _checked(disk_dir: Path | None, versions: list[int], ranks: list[int]) -> set[int]:
+    """The persisted ``versions`` whose files of ``ranks`` match what was flushed (sizes and checksums); each one
+    that does not is logged with the file at fault, and never read."""
+    good = set()
+    for v in versions:
+        try:
+            persist.check(persist.version_dir(disk_dir, v), ranks)
+            good.add(v)
+        except persist.PersistError as e:
+            log.warning("persisted version %d cannot be used: %s; an older one is taken", v, e)
+    return good
 
 
 def _other_daemons(job: Job, ranks: list[int], holders: list[str]) -> list[str]:

@@ -104,6 +104,22 @@ class LinkReport:
 
 
 @dataclass
+class PersistReport:
+    """PersistInfo: the daemon's flushes to the persistent tier (``daemon/persister.py``)."""
+
+    dir: str
+    every: int
+    flushed: int = 0
+    completed: int = 0
+    skipped: int = 0
+    failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    newest_complete: int = 0
+    error: str = ""
+
+
+@dataclass
 class NodeReport:
     """InventoryResponse: what one daemon holds, its links and its memory."""
 
@@ -116,6 +132,7 @@ class NodeReport:
     collectives: int = 0  # the training's collectives its workers marked
     collisions: int = 0  # of those, started with a replication chunk on the wire
     overlap_seconds: float = 0.0  # seconds chunks were on the wire during them
+    persist: PersistReport | None = None  # None: no persistent tier
     link_share: float = field(default=1.0, metadata=LOCAL)  # share of each link replication may use
     refusals: dict[str, int] = field(default_factory=dict, metadata=LOCAL)  # requests refused, by gRPC status
 

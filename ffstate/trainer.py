@@ -29,6 +29,7 @@ from ffstate.job import Job
 from ffstate import lag as lag_mod
 from ffstate.lag import LagWatch
 from ffstate.pacing import PacingSignals
+from ffstate.persist import keys as persist_keys
 from ffstate.razor_verify import RazorVerifier
 from ffstate.reports import NodeReport, Stats
 
@@ -227,7 +228,8 @@ class Replicated:
         # After a restore to v* the steps past it are redone: the daemon un-commits them before it resets
         # replication, so that none of them is replicated from the slots of the run that died.
         resp = self.daemon.attach(self.job.job, self.rank, self.world, manifest, holders=self.holders,
-                                  razor=self.razor.report(manifest), discard_after=self._last)
+                                  razor=self.razor.report(manifest), discard_after=self._last,
+                                  persist_keys=persist_keys.to_json(persist_keys.key_map(self.model, self.optimizer)))
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._writer = SlotWriter(self._slots)
         self._slots.set_razor_counters(self.razor.verified, self.razor.mismatches)

@@ -17,20 +17,22 @@ class ShardKey(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders", "razor", "discard_after")
+    __slots__ = ("shard", "manifest_json", "scalars_capacity", "holders", "razor", "discard_after", "persist_keys")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     SCALARS_CAPACITY_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_FIELD_NUMBER: _ClassVar[int]
     RAZOR_FIELD_NUMBER: _ClassVar[int]
     DISCARD_AFTER_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_KEYS_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     manifest_json: bytes
     scalars_capacity: int
     holders: _containers.RepeatedScalarFieldContainer[str]
     razor: RazorInfo
     discard_after: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., discard_after: _Optional[int] = ...) -> None: ...
+    persist_keys: bytes
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., manifest_json: _Optional[bytes] = ..., scalars_capacity: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., discard_after: _Optional[int] = ..., persist_keys: _Optional[bytes] = ...) -> None: ...
 
 class RazorInfo(_message.Message):
     __slots__ = ("group", "state_bytes", "redundant_bytes", "shard_bytes", "reason", "verifications", "mismatches")
@@ -235,7 +237,7 @@ class RestoreInfo(_message.Message):
     def __init__(self, restores: _Optional[int] = ..., version: _Optional[int] = ..., steps_lost: _Optional[int] = ..., seconds: _Optional[float] = ..., entry_seconds: _Optional[float] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
-    __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "overlap_seconds")
+    __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "overlap_seconds", "persist")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -245,6 +247,7 @@ class InventoryResponse(_message.Message):
     COLLECTIVES_FIELD_NUMBER: _ClassVar[int]
     COLLISIONS_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PERSIST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     shards: _containers.RepeatedCompositeFieldContainer[ShardInfo]
     bytes_used: int
@@ -254,7 +257,32 @@ class InventoryResponse(_message.Message):
     collectives: int
     collisions: int
     overlap_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ...) -> None: ...
+    persist: PersistInfo
+    def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ..., persist: _Optional[_Union[PersistInfo, _Mapping]] = ...) -> None: ...
+
+class PersistInfo(_message.Message):
+    __slots__ = ("dir", "every", "flushed", "completed", "skipped", "failed", "bytes", "seconds", "newest_complete", "error")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    FLUSHED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEWEST_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    every: int
+    flushed: int
+    completed: int
+    skipped: int
+    failed: int
+    bytes: int
+    seconds: float
+    newest_complete: int
+    error: str
+    def __init__(self, dir: _Optional[str] = ..., every: _Optional[int] = ..., flushed: _Optional[int] = ..., completed: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., newest_complete: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class LinkInfo(_message.Message):
     __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions", "overlap_seconds", "catch_ups", "rushes")

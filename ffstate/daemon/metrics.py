@@ -140,6 +140,21 @@ class ReportCollector(Collector):
         for status, n in sorted(rep.refusals.items()):
             refused.add_metric([node, status], n)
         yield refused
+        if rep.persist is not None:
+            flushes = CounterMetricFamily("ffstate_persist_flushes", "Ranks' versions the persistent tier took, by "
+                                          "outcome (flushed, skipped: a flush still ran, failed: the filesystem refused)",
+                                          labels=["node", "outcome"])
+            for outcome in ("flushed", "skipped", "failed"):
+                flushes.add_metric([node, outcome], getattr(rep.persist, outcome))
+            written = CounterMetricFamily("ffstate_persist_bytes", "Bytes of state flushed", labels=["node"])
+            written.add_metric([node], rep.persist.bytes)
+            seconds = GaugeMetricFamily("ffstate_persist_seconds", "The newest flush of one rank's version",
+                                        labels=["node"])
+            seconds.add_metric([node], rep.persist.seconds)
+            complete = GaugeMetricFamily("ffstate_persist_complete_version", "The newest version this daemon made "
+                                         "complete in the persistent tier", labels=["node"])
+            complete.add_metric([node], rep.persist.newest_complete)
+            yield from (flushes, written, seconds, complete)
         budget = GaugeMetricFamily("ffstate_memory_bytes", "Memory used and budget", labels=["node", "kind"])
         budget.add_metric([node, "used"], rep.bytes_used)
         budget.add_metric([node, "budget"], rep.bytes_budget)

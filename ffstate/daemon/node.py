@@ -18,18 +18,20 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-from ffstate import codec, shm
+from ffstate import codec, persist, shm
 from ffstate.client import Client, Tls
 from ffstate.codec import Packed, Snapshot
 from ffstate.config import DaemonConfig
-from ffstate.daemon.replicator import LocalShard, Pacer, Replicator
+from ffstate.daemon.persister import Persister
+from ffstate.daemon.replicator import Pacer, Replicator
+from ffstate.daemon.shard import LocalShard
 from ffstate.daemon.store import IncomingChunk, Store
 from ffstate.daemon.watchdog import Watchdog
 from ffstate.errors import FFStateError, ReplicaError
 from ffstate.ids import ShardKey, check_id
 from ffstate.layout import Manifest
-from ffstate.reports import (LinkReport, NodeReport, ProfiledReport, RazorReport, RestoreReport, ShardReport,
-                             WatchReport)
+from ffstate.reports import (LinkReport, NodeReport, PersistReport, ProfiledReport, RazorReport, RestoreReport,
+                             ShardReport, WatchReport)
 from ffstate.scheduler import Naive, Scheduler
 from ffstate.windows import merge_intervals, project
 
@@ -69,9 +71,13 @@ class Node:
         tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
         # No retries inside a push: a holder that does not answer is marked down at once (a held commit stops
         # waiting for it, lag.py) and retried on the replicator's own backoff.
+        self.persister = Persister(cfg.persist_dir, cfg.persist_every, cfg.persist_keep, self.store.reserve,
+                                   self.store.release, cfg.node_id) if cfg.persist_dir else None
+        taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) \
+            if self.persister is not None else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0, retries=0),
-                                     list(cfg.peers),
-                                     pacer or self._pacer(), poll_interval=cfg.slot_poll, keep=cfg.keep_deltas)
+                                     list(cfg.peers), pacer or self._pacer(), poll_interval=cfg.slot_poll,
+                                     keep=cfg.keep_deltas, taken=taken)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()
@@ -163,12 +169,16 @@ class Node:
     # ------------------------------------------------------------ local workers
 
     def attach(self, key: ShardKey, manifest_json: bytes, scalars_capacity: int, holders: list[str] | None,
-               razor: RazorReport | None, discard_after: int | None) -> SlotsInfo:
+               razor: RazorReport | None, discard_after: int | None, persist_keys: bytes = b"") -> SlotsInfo:
         """Creates the rank's slots (or finds them, and resets its replication: a worker re-attached)."""
         if len(manifest_json) > MAX_MANIFEST_BYTES:
             raise ReplicaError(f"manifest of {len(manifest_json)} bytes exceeds {MAX_MANIFEST_BYTES}",
                                "INVALID_ARGUMENT")
         manifest = Manifest.from_json(manifest_json)
+        try:
+            keys = persist.check_keys(persist_keys) if persist_keys else None
+        except FFStateError as e:
+            raise ReplicaError(f"persist_keys: {e}", "INVALID_ARGUMENT") from None
         cap = scalars_capacity or self.cfg.scalars_capacity
         with self._lock:
             shard = self.local.get(key)
@@ -185,7 +195,7 @@ class Node:
                 shard = self._create_local(key, manifest, cap, holders)
                 for h in shard.holders if discard_after else ():  # a restored worker on a new daemon: the
                     h.resume = discard_after  # holders drop the dead run's versions past v* before the full version
-            shard.razor = razor
+            shard.razor, shard.persist_keys = razor, keys
         return self._describe(shard)
 
     def lookup(self, key: ShardKey) -> SlotsInfo:
@@ -320,8 +330,10 @@ class Node:
         timeline = getattr(pacer, "timeline", None)
         seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
                                             "overlap_seconds": timeline.overlap}
+        flushed = None if self.persister is None else PersistReport(
+            str(self.persister.root), self.persister.every, **dataclasses.asdict(self.persister.stats))
         return NodeReport(self.cfg.node_id, shards, self.store.used, self.store.budget, links, pacer.name, **seen,
-                          link_share=share, refusals=dict(self.refusals))
+                          persist=flushed, link_share=share, refusals=dict(self.refusals))
 
     def expire_staged(self) -> None:
         """Discards pushed versions never committed within ``staged_timeout`` (the daemon's loop calls this)."""
@@ -331,6 +343,8 @@ class Node:
 
     def close(self) -> None:
         self.watchdog.close()
+        if self.persister is not None:  # what is queued is written first (bounded)
+            self.persister.close()
         with self._lock:
             shards = list(self.local.values())
             self.local.clear()

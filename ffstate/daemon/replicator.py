@@ -19,18 +19,14 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from ffstate import codec
 from ffstate.client import Client
-from ffstate.codec import Packed, Snapshot
+from ffstate.codec import Packed
+from ffstate.daemon.shard import Holder, LocalShard
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.ids import ShardKey
-from ffstate.layout import Manifest
 from ffstate.scheduler import Naive
-from ffstate.shm import Slots
 
 log = logging.getLogger("ffstate.daemon.replicator")
 
@@ -51,124 +47,15 @@ class Pacer(Protocol):
     # and a ``timeline`` (``scheduler.Timeline``) where it sees the training's collectives
 
 
-@dataclass
-class Holder:
-    """A remote daemon holding replicas of this node's ranks, as seen by one local rank."""
-
-    address: str
-    client: Client
-    acked: int = 0  # newest version the holder committed (0: none, send a full version)
-    failures: int = 0
-    next_try: float = 0.0
-    down: bool = False  # its last push found it unreachable (not merely refusing): the lag policy does not wait for it
-    resume: int = 0  # the job resumed at this version: the holder steps its replica back to it before anything else
-
-    def backoff(self) -> None:
-        self.failures += 1
-        # At most a second: a holder's daemon restarted by its node's workers is back within seconds, and until it
-        # is re-seeded this rank's only copy is its own node's.
-        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), 1.0)
-
-
-@dataclass
-class LocalShard:
-    """One rank of this node: its slots, and the state of its replication."""
-
-    key: ShardKey
-    manifest: Manifest
-    slots: Slots
-    holders: list[Holder]
-    reserved: int
-    base: Snapshot | None = None  # the daemon's copy of the newest version read from the slots
-    base_version: int = 0
-    # (version, version before, delta, scalars before): the last ``keep`` deltas, for the holders that lag
-    # and for stepping the local copy back (a node lost while its holders lagged: DESIGN.md I3)
-    chain: list = field(default_factory=list)
-    wake: threading.Event = field(default_factory=threading.Event)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time
-    report_lock: threading.Lock = field(default_factory=threading.Lock)  # see report()
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-    last_push: float = 0.0
-    pushed_bytes: int = 0  # on the wire, to all holders
-    pushed_versions: int = 0  # counted once per holder
-    pushed_raw_bytes: int = 0  # the snapshots those versions restore (for the compression ratio)
-    razor: Any = None  # the worker's reports.RazorReport, for the reports
-    bell: int = 0  # the rank's id at the daemon's doorbell (0: none)
-
-    @property
-    def replicated_version(self) -> int:
-        return min((h.acked for h in self.holders), default=0)
-
-    @property
-    def holders_down(self) -> int:
-        """Holders that lack the newest version taken and did not answer their last push."""
-        return sum(1 for h in self.holders if h.down and h.acked < self.base_version)
-
-    def report(self) -> None:
-        """Writes ``replicated_version`` (and ``holders_down``) into the slot header, where the worker's commit reads
-        its lag.
-
-        Pushes to several holders report from their own threads, and a reset swaps the holders: each
-        computes and writes under ``report_lock``, so the last write is always the current minimum.
-        """
-        with self.report_lock:
-            self.slots.set_replicated(self.replicated_version, self.holders_down)
-
-    @property
-    def paths(self) -> list[Path]:
-        return self.slots.paths
-
-    def versions_back(self) -> list[int]:
-        """The versions the daemon's copy can be stepped back to through the chain (newest first)."""
-        base, chain = self.base, list(self.chain)
-        if base is None:
-            return []
-        out, expected = [self.base_version], self.base_version
-        for version, before, _, _ in reversed(chain):
-            if version != expected:
-                break
-            out.append(before)
-            expected = before
-        return out
-
-    def step_back_to(self, version: int) -> bool:
-        """Steps the daemon's copy back to ``version`` in place, dropping the newer deltas; when it cannot (out of
-        reach), forgets it and returns False. Call under ``lock``."""
-        try:
-            if self.base is None or version not in self.versions_back():
-                raise CodecError(f"version {version} is not within {self.versions_back()}")
-            while self.base_version != version:
-                v, before, packed, scalars = self.chain.pop()
-                self.base = codec.revert_snapshot(packed, self.base, scalars)
-                self.base_version = before
-            return True
-        except CodecError as e:
-            log.info("%s: the daemon's copy cannot step back to version %d (%s)", self.key, version, e)
-            self.base, self.base_version, self.chain = None, 0, []
-            return False
-
-    def stepped_back(self, version: int) -> Snapshot | None:
-        """A copy of the local rank's state at ``version``, reverted through the chain; None if out of reach.
-        Call under ``lock``."""
-        if version not in self.versions_back():
-            return None
-        snap = Snapshot(self.base.manifest, self.base.buffer.clone(), self.base.checksum)
-        for v, before, packed, scalars in reversed(self.chain):
-            if v == version:
-                break
-            snap = codec.revert_snapshot(packed, snap, scalars)
-            if before == version:
-                break
-        return snap
-
-
 class Replicator:
     """Runs one sender thread per local rank."""
 
     def __init__(self, make_client: Callable[[str], Client], peers: list[str], pacer: Pacer | None = None,
-                 poll_interval: float = 0.05, keep: int = 8):
+                 poll_interval: float = 0.05, keep: int = 8, taken: Callable[..., None] | None = None):
         self.make_client = make_client
+        # taken(shard, version, manifest, data, checksum, unchanged): each version as it is taken from the slot,
+        # while the slot cannot change (the persistent tier's copy)
+        self.taken = taken
         self.keep = keep
         self.peers = list(peers)
         self.pacer = pacer or Naive()
@@ -298,6 +185,7 @@ class Replicator:
             checksum = codec.buffer_checksum(view.data)
             if not shard.slots.unchanged(view):
                 return False
+            self._taken(shard, version, view, checksum)
             shard.slots.record_checksum(view, checksum)
             shard.slots.mark_taken(view)
             shard.base, shard.base_version, shard.chain = None, version, []
@@ -331,10 +219,16 @@ class Replicator:
             log.error("%s: reading version %d failed (%s); the next push is a full version", shard.key, version, e)
             shard.base, shard.base_version, shard.chain = None, 0, []
             return False
+        self._taken(shard, version, view, checksum)
         shard.slots.record_checksum(view, checksum)
         shard.slots.mark_taken(view)
         shard.base_version = version
         return True
+
+    def _taken(self, shard: LocalShard, version: int, view: Any, checksum: int) -> None:
+        if self.taken is not None:
+            self.taken(shard, version, shard.manifest.with_scalars(view.scalars), view.data, checksum,
+                       lambda: shard.slots.unchanged(view))
 
     def _step_back(self, shard: LocalShard, holder: Holder) -> None:
         """Asks ``holder`` to step its replica back to ``holder.resume``, where the job resumed: deltas go on from

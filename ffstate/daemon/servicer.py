@@ -113,7 +113,7 @@ class Servicer:
         discard = request.discard_after if request.HasField("discard_after") else None
         return self._guard("Attach", context, lambda: pb.AttachResponse(**vars(self.node.attach(
             _key(request.shard), request.manifest_json, request.scalars_capacity, list(request.holders) or None,
-            razor, discard))))
+            razor, discard, request.persist_keys))))
 
     def Lookup(self, request: pb.ShardKey, context: grpc.ServicerContext) -> pb.AttachResponse:
         return self._guard("Lookup", context, lambda: pb.AttachResponse(**vars(self.node.lookup(_key(request)))))

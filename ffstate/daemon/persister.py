@@ -1,0 +1,184 @@
+"""The daemon's flush of its local ranks' committed versions to the persistent tier, off the training path
+(DESIGN.md section 6; the format is ``ffstate/persist/``).
+
+The replicator offers each version it takes from a rank's slots (``offer``, in its own thread, while the slot
+cannot change); a version whose step is a multiple of ``persist_every`` is copied once (the copy counted
+against the daemon's memory budget) and queued. One thread writes the queue: each rank's files, then the
+version made complete once every rank of the job has its record, then the old versions removed. One version
+is written at a time: a version offered while an older one is still being written is skipped, for every
+local rank alike (counted, logged), so that the disk sets the pace and never the training. Whatever the
+filesystem does (full, read-only, gone, slow) is logged, rate-limited, and counted; the daemon goes on and
+the training never sees it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ffstate import persist
+from ffstate.errors import FFStateError, ReplicaError
+from ffstate.ids import ShardKey
+from ffstate.layout import Manifest
+
+log = logging.getLogger("ffstate.daemon.persist")
+
+ERROR_LOG_EVERY = 30.0  # seconds between two logs of the same kind of flush failure
+DECIDED = 16  # versions whose flush-or-skip decision is remembered (so that a node's ranks decide alike)
+
+
+@dataclass
+class PersistStats:
+    """What the persister did since the daemon started (``Inventory``, metrics, ``ffstate status``)."""
+
+    flushed: int = 0  # ranks' versions written
+    completed: int = 0  # versions this daemon made complete
+    skipped: int = 0  # ranks' versions skipped: an older flush was still running (or no memory for the copy)
+    failed: int = 0  # ranks' versions the filesystem refused
+    bytes: int = 0  # bytes of the ranks' states written
+    seconds: float = 0.0  # the newest flush of one rank's version: copy excluded, write and fsync included
+    newest_complete: int = 0
+    error: str = ""  # the newest failure
+
+
+@dataclass
+class _Job:
+    key: ShardKey
+    version: int
+    manifest: Manifest
+    data: torch.Tensor
+    checksum: int
+    keys: dict
+
+
+class Persister:
+    """See the module docstring. ``reserve(n, what)`` / ``release(n)`` count the copies against the budget."""
+
+    def __init__(self, root: Path, every: int, keep: int, reserve: Callable[[int, str], None],
+                 release: Callable[[int], None], node_id: str = "node"):
+        self.root, self.every, self.keep, self.node_id = Path(root), every, keep, node_id
+        self._reached: dict[str, int] = {}
+        self.reserve, self.release = reserve, release
+        self.stats = PersistStats()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._writing = 0  # the version being written (0: idle)
+        self._decided: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
+        self._logged: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._run, name="ffstate-persist", daemon=True)
+        self._thread.start()
+        log.info("persistent tier: %s, every %d steps, keeping %d complete versions", self.root, every, keep)
+
+    def close(self, wait: float = 30.0) -> None:
+        """Finishes what is queued (at most ``wait`` seconds), then stops."""
+        self._queue.put(None)
+        self._thread.join(wait)
+
+    def offer(self, key: ShardKey, version: int, manifest: Manifest, data: torch.Tensor, checksum: int,
+              keys: dict | None, unchanged: Callable[[], bool]) -> None:
+        """A version the replicator took from ``key``'s slot: ``data`` its bytes, valid while ``unchanged()``."""
+        if version > self._reached.get(key.job_id, 0):
+            self._reached[key.job_id] = version
+            try:
+                persist.note_reached(self.root / key.job_id, self.node_id, version)
+            except OSError:  # best effort; a failing filesystem shows in the flushes
+                pass
+        if version % self.every:
+            return
+        if not self._decide(key.job_id, version):
+            self.stats.skipped += 1
+            log.info("%s: version %d not flushed: version %d is still being written (the disk sets the pace)", key,
+                     version, self._writing)
+            return
+        try:
+            self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
+        except ReplicaError as e:
+            self.stats.skipped += 1
+            self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
+            return
+        copy = data.clone()
+        if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
+            self.release(copy.numel())
+            self.stats.skipped += 1
+            return
+        self._queue.put(_Job(key, version, manifest, copy, checksum, keys or {}))
+
+    def _decide(self, job: str, version: int) -> bool:
+        """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version
+        is being written or waits to be)."""
+        with self._lock:
+            got = self._decided.get((job, version))
+            if got is None:
+                with self._queue.mutex:
+                    queued = {j.version for j in self._queue.queue if j is not None}
+                got = not ({self._writing} | queued) - {0, version}
+                self._decided[(job, version)] = got
+                while len(self._decided) > DECIDED:
+                    self._decided.popitem(last=False)
+            return got
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                self._writing = job.version
+            try:
+                self._flush(job)
+            except Exception as e:  # a bug must not stop the daemon, nor later flushes
+                self._failed("bug", f"{job.key}: flushing version {job.version} failed: {e!r}")
+                log.exception("flush of %s version %d", job.key, job.version)
+            finally:
+                self.release(job.data.numel())
+                with self._lock:
+                    self._writing = 0
+
+    def _flush(self, job: _Job) -> None:
+        key, start = job.key, time.perf_counter()
+        job_dir = self.root / key.job_id
+        vdir = persist.version_dir(job_dir, job.version)
+        try:
+            items = persist.items_of(job.manifest, job.data, job.keys, key.rank, param_groups=key.rank == 0)
+            persist.write_rank(vdir, key.job_id, job.version, key.rank, key.world_size, job.manifest, job.checksum,
+                               items)
+        except OSError as e:
+            self._failed(type(e).__name__, f"{key}: flushing version {job.version} to {vdir} failed: {e}")
+            return
+        except FFStateError as e:
+            self._failed("keys", f"{key}: version {job.version} cannot be written: {e}")
+            return
+        seconds = time.perf_counter() - start
+        self.stats.flushed += 1
+        self.stats.bytes += job.data.numel()
+        self.stats.seconds = seconds
+        log.info("%s: version %d flushed to %s (%.1f MB in %.3fs)", key, job.version, vdir, job.data.numel() / 1e6,
+                 seconds)
+        try:
+            if persist.finalize(vdir, key.world_size):
+                if job.version > self.stats.newest_complete:
+                    self.stats.newest_complete = job.version
+                    self.stats.completed += 1
+                    log.info("job %s: version %d is complete in %s", key.job_id, job.version, vdir)
+                for gone in persist.prune(job_dir, self.keep):
+                    log.info("job %s: removed %s (keeping the newest %d complete versions)", key.job_id, gone,
+                             self.keep)
+        except OSError as e:
+            self._failed(type(e).__name__, f"job {key.job_id}: completing version {job.version} failed: {e}")
+
+    def _failed(self, kind: str, message: str, count: bool = True) -> None:
+        if count:
+            self.stats.failed += 1
+        self.stats.error = message[:1024]
+        now = time.monotonic()
+        if now - self._logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
+            self._logged[kind] = now
+            log.error("%s (training goes on; such failures logged at most every %.0fs)", message, ERROR_LOG_EVERY)
