@@ -9,7 +9,11 @@ Modes (``MODES``): ``off`` (no ffstate); ``local`` (ffstate with no replicas: th
 node's shared memory and the daemon's checksum of it, nothing on the network); ``naive`` (razor on,
 sent as soon as captured); ``scheduler`` (razor on, paced into the training's idle windows);
 ``razor-off`` (the scheduler, every rank's whole state replicated); ``unprofiled`` (the scheduler without
-the profiled timeline: where nothing marks the collectives, ``manual``, it then paces by rate alone).
+the profiled timeline: where nothing marks the collectives, ``manual``, it then paces by rate alone);
+``persist`` (the scheduler, its daemons also flushing every version to the persistent tier, ``--persist-every
+1``); ``nowatch`` (the scheduler, its daemons' watchdog off: what the watchdog costs is ``scheduler`` over
+it); ``async-save`` (no ffstate: ``torch.distributed.checkpoint.async_save`` of the model and optimizer after
+every step, a save due while the previous one still runs skipped, as the daemons skip a flush).
 ``manual`` is data parallelism by hand (no wrapper; every gradient all-reduced at once after the
 backward), whose collectives the scheduler learns from profiled steps: the first phase that
 profiles pays for it in three of its timed steps (a few percent each; the medians barely move). The daemons of each scheduler
@@ -46,9 +50,44 @@ FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseli
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
          "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1), "unprofiled": ("auto", "windows", 1),
-         "lag1": ("auto", "windows", 1)}
+         "lag1": ("auto", "windows", 1), "persist": ("auto", "windows+persist", 1),
+         "nowatch": ("auto", "windows+nowatch", 1)}
+PLAIN = ("off", "async-save")  # modes without ffstate
 PROFILE_STEPS = {"unprofiled": 0}  # Config.profile_steps where not the default
 MAX_LAG = {"lag1": 1}  # Config.max_lag where not the default
+
+
+class AsyncSaver:
+    """``dcp.async_save`` of the model and optimizer after each step (their state dicts as DCP's ``get_state_dict``
+    gives them, staged by DCP's own async path in the training process); a save due while the previous one still
+    runs is skipped; the two newest checkpoints are kept."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path):
+        self.model, self.opt, self.root = model, opt, root
+        self.pending, self.saved, self.skipped, self.dirs = None, 0, 0, []
+
+    def after_step(self, step: int) -> None:
+        import shutil
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        if self.pending is not None and not self.pending.done():
+            self.skipped += 1
+            return
+        if self.pending is not None:
+            self.pending.result()
+        msd, osd = get_state_dict(self.model, self.opt)
+        self.dirs.append(self.root / f"step{step}")
+        self.pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=self.dirs[-1])
+        self.saved += 1
+        while len(self.dirs) > 3 and dist.get_rank() == 0:
+            shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+        dist.barrier()
 
 
 def main() -> None:
@@ -110,13 +149,22 @@ def main() -> None:
         for mode in phase_order(modes, r):
             res = results[mode]
             dist.barrier()
-            if mode == "off":
+            if mode in PLAIN:
+                saver = AsyncSaver(model, opt, a.out / f"async-{r}") if mode == "async-save" else None
                 for i in range(a.steps):
                     start = time.perf_counter()
                     parts = train_step()
+                    trained = time.perf_counter()
+                    if saver is not None:
+                        saver.after_step(i + 1)
                     if i >= FIRST_TIMED:
                         res["step_seconds"].append(time.perf_counter() - start)
                         res["part_seconds"].append(parts)
+                        if saver is not None:
+                            res["commit_seconds"].append(time.perf_counter() - trained)
+                if saver is not None:
+                    res["saved"], res["skipped"] = res.get("saved", 0) + saver.saved, res.get("skipped", 0) + saver.skipped
+                    saver.close()
                 continue
             razor, scheduler, replicas = MODES[mode]
             ports = dict(p.split(":") for p in os.environ["FFSTATE_BENCH_PORTS"].split(","))
@@ -144,6 +192,9 @@ def main() -> None:
                 after = ff.stats(wait=60)
                 res["lag_at_end"].append(end.version - end.replicated_version)
                 res["drain_seconds"].append(time.perf_counter() - start)
+                if mode == "persist" and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # its node's daemon's counts
+                    got = ff.daemon.inventory("").persist
+                    res["saved"], res["skipped"] = got.flushed, got.skipped  # since the daemons started
             res["wire_bytes"] += after.pushed_bytes - before.pushed_bytes
             res["wire_versions"] += after.pushed_versions - before.pushed_versions
             # The node's daemon's counts: the same for each rank of a node.

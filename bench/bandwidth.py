@@ -75,11 +75,12 @@ def gloo(nbytes: int, repeats: int) -> list[float]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def start_daemon(token: str, memory: int, host: str = "127.0.0.1", prefix: Sequence[str] = ()
-                 ) -> tuple[subprocess.Popen, str]:
-    """An ``ffstate serve`` on ``host`` (run under ``prefix``, e.g. ``ip netns exec NS``); (process, address)."""
+def start_daemon(token: str, memory: int, host: str = "127.0.0.1", prefix: Sequence[str] = (),
+                 extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
+    """An ``ffstate serve`` on ``host`` (run under ``prefix``, e.g. ``ip netns exec NS``; ``extra``: more flags);
+    (process, address)."""
     proc = subprocess.Popen([*prefix, sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--host", host,
-                             "--memory-limit", str(memory), "--max-chunk-bytes", "64M"], stdout=subprocess.PIPE,
+                             "--memory-limit", str(memory), "--max-chunk-bytes", "64M", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, env={**os.environ, "FFSTATE_TOKEN": token})
     line = proc.stdout.readline()
     if "listening on" not in line:

@@ -225,9 +225,11 @@ def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = 
 
 
 def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | None = None,
-                 env: dict | None = None) -> dict:
+                 env: dict | None = None, worker: list[str] | None = None) -> dict:
     """The job under ``schedule`` (``demo/faults.py``) for ``steps`` steps, then without failures and without
-    ffstate, compared bit for bit; ``env``: more variables for the job (``FFSTATE_*`` knobs)."""
+    ffstate, compared bit for bit; ``env``: more variables for the job (``FFSTATE_*`` knobs); ``worker``: more
+    arguments for both runs' workers (``--parallel ddp``, say)."""
+    worker = list(worker or [])
     work = Path(work or tempfile.mkdtemp(prefix="ffstate-chaos-"))
     failing, reference = work / "with-failures", work / "reference"
     for d in (failing, reference):
@@ -243,8 +245,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     sampler = Sampler(run_dir, job, base, token)
     sampler.start()
     try:
-        wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json")], env, work / "with-failures.log",
-                         restarts, timeout)
+        wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json"), *worker], env,
+                         work / "with-failures.log", restarts, timeout)
     finally:
         left = _leftover_daemons(run_dir)
         sampler.stopped.set()
@@ -255,7 +257,7 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
     exits = [int(m) for log in failing.glob("daemon-*.log")
              for m in re.findall(r"exiting, (\d+) bytes accounted", log.read_text())]
-    ref_wall = _torchrun(reference, steps, ["--no-ffstate"], env, work / "reference.log", 0, timeout)
+    ref_wall = _torchrun(reference, steps, ["--no-ffstate", *worker], env, work / "reference.log", 0, timeout)
     diffs = compare_runs(failing, reference, WORLD)
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
                         _jsonl(failing / "events.jsonl"))

@@ -70,7 +70,7 @@ def _serve(args: list[str], token: str, log_path: Path) -> subprocess.Popen:
 def _schedulers(modes: list[str]) -> list[str]:
     from ffstate.bench._overhead_worker import MODES
 
-    return sorted({MODES[m][1] for m in modes if m != "off"})
+    return sorted({MODES[m][1] for m in modes if m in MODES})
 
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
@@ -89,8 +89,12 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
         base = free_ports(NODES)
         ports[scheduler] = base
         for n in range(NODES):
-            flags = ["--node-id", f"node{n}", "--scheduler", scheduler, "--memory-limit", "4G", "--link-share", str(share),
-                     "--nice", str(nice)]
+            flags = ["--node-id", f"node{n}", "--scheduler", scheduler.split("+")[0], "--memory-limit", "4G",
+                     "--link-share", str(share), "--nice", str(nice)]
+            if scheduler.endswith("+persist"):  # every version flushed, as often as the disk allows
+                flags += ["--persist-dir", str(work / f"persist-{tag}"), "--persist-every", "1"]
+            if scheduler.endswith("+nowatch"):  # no watchdog (the others watch their ranks, the default)
+                flags += ["--hang-action", "off"]
             if link is not None and not measure_link:  # the NIC's rate, as an operator would set it
                 flags += ["--link-bandwidth", str(int(netns.rate_bytes_per_s(link.rate)))]
             pinned = ["taskset", "-c", pin[1], *serve] if pin else serve
@@ -170,7 +174,12 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
                                    for i in range(3)]
         n = len(steps) // repeats if repeats and len(steps) % repeats == 0 else 0
         phases[mode] = [statistics.median(steps[i * n:(i + 1) * n]) for i in range(repeats)] if n else []
-        if mode != "off":
+        if any("saved" in p for p in per_rank):  # async-save, persist: versions written to disk
+            row["saved"] = sum(p.get("saved", 0) for p in per_rank)
+            row["skipped"] = sum(p.get("skipped", 0) for p in per_rank)
+        if mode == "async-save" and all(p.get("commit_seconds") for p in per_rank):  # the save's hold on the loop
+            row["commit_seconds"] = statistics.median(max(cs) for cs in zip(*(p["commit_seconds"] for p in per_rank)))
+        if mode not in ("off", "async-save"):
             wire = [p["wire_bytes"] / p["wire_versions"] for p in per_rank if p["wire_versions"]]
             row["wire_bytes_per_step_per_rank"] = statistics.median(wire) if wire else 0  # local: nothing sent
             row["replicated_bytes_per_rank"] = statistics.median(p["shard_bytes"] for p in per_rank)
@@ -192,7 +201,7 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
             # Both nodes' daemons of this mode's policy, per step the job ran with them (razor-off shares the
             # scheduler's daemons: their CPU is split by steps).
             policy = MODES[mode][1]
-            steps = sum(ranks[0]["results"][m].get("steps_run", 0) for m in modes if m != "off" and MODES[m][1] == policy)
+            steps = sum(ranks[0]["results"][m].get("steps_run", 0) for m in modes if m in MODES and MODES[m][1] == policy)
             if "daemon_cpu_seconds" in ranks[0] and steps:
                 row["daemon_cpu_seconds_per_step"] = ranks[0]["daemon_cpu_seconds"][policy] / steps
         out[mode] = row
@@ -247,7 +256,8 @@ def report(result: dict) -> str:
                          f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-",
                          f"{row['collisions']} of {row['collectives']} / {row['overlap_seconds_per_step'] * 1e3:.1f}"
                          if row.get("collectives") else "-",
-                         f"{row['daemon_cpu_seconds_per_step'] * 1e3:.0f}" if "daemon_cpu_seconds_per_step" in row else "-"])
+                         f"{row['daemon_cpu_seconds_per_step'] * 1e3:.0f}" if "daemon_cpu_seconds_per_step" in row else "-",
+                         f"{row['saved']} / {row['skipped']}" if "saved" in row else "-"])
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
             f"k={cfg['replicas']}, link share {cfg.get('link_share', 0.5)}, link bandwidth "
@@ -258,7 +268,7 @@ def report(result: dict) -> str:
                                              "fwd / bwd / opt ms", "commit ms", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
-                                             "daemon CPU ms/step"])])
+                                             "daemon CPU ms/step", "to disk: written / skipped"])])
 
 
 def plot(result: dict, path: Path) -> Path | None:
@@ -292,7 +302,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="off,naive,scheduler,razor-off",
                    help="off (no ffstate), local (commits, no replicas: ffstate's cost before the network), naive "
                         "(razor on, sent at once), scheduler (razor on, paced into idle windows), razor-off "
-                        "(scheduler, whole states), unprofiled (scheduler, no profiled timeline), lag1 (scheduler, max_lag 1); "
+                        "(scheduler, whole states), unprofiled (scheduler, no profiled timeline), lag1 (scheduler, max_lag 1), "
+                        "persist (scheduler, every version flushed to the persistent tier), nowatch (scheduler, the "
+                        "daemons' watchdog off), async-save (no ffstate: "
+                        "dcp.async_save after every step); "
                         "default: "
                         "off,naive,scheduler,razor-off")
     p.add_argument("--link", default="loopback",
@@ -323,10 +336,13 @@ def main(args: argparse.Namespace) -> int:
     parallels = [x for x in args.parallel.split(",") if x]
     modes = [x for x in args.modes.split(",") if x]
     links = [x for x in args.link.split(",") if x]
-    if not set(parallels) <= {"ddp", "ddp-zero", "fsdp2", "manual"} or not set(modes) <= {"off", *MODES} or args.steps < 4 \
-            or args.batch < 1 or not 0 < args.link_share <= 1:
-        raise SystemExit(f"--parallel takes ddp, ddp-zero, fsdp2 and/or manual, --modes off and/or {sorted(MODES)}, "
-                         "--steps >= 4, --batch >= 1, --link-share in (0, 1]")
+    if not set(parallels) <= {"ddp", "ddp-zero", "fsdp2", "manual"} or not set(modes) <= {"off", "async-save", *MODES} \
+            or args.steps < 4 or args.batch < 1 or not 0 < args.link_share <= 1:
+        raise SystemExit(f"--parallel takes ddp, ddp-zero, fsdp2 and/or manual, --modes off, async-save and/or "
+                         f"{sorted(MODES)}, --steps >= 4, --batch >= 1, --link-share in (0, 1]")
+    if "async-save" in modes and "ddp-zero" in parallels:
+        raise SystemExit("--modes async-save needs DCP's get_state_dict, which has no ZeroRedundancyOptimizer: "
+                         "use --parallel ddp or fsdp2")
     if any(x != "loopback" for x in links) and netns.unavailable():
         raise SystemExit(f"--link {args.link}: shaped links are not available here: {netns.unavailable()}")
     pin = None
