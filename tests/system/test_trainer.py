@@ -1,7 +1,7 @@
 """ffstate.replicate around real training: torchrun with 4 ranks as 2 simulated nodes (DDP + ZeRO AdamW,
 the demo's worker), real SIGKILLs of a rank and of a whole node, and a single process; each run ends
 bit-identical to the same run without failures. A daemon killed while training goes on, a node lost right after a
-rank's restart, and two failures in a row are in the chaos run's test (test_chaos.py)."""
+rank's restart, and two failures in a row are in the chaos run's test (test_chaos.py); FSDP2 in test_persist.py."""
 
 import json
 import os
@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ffstate import Config, FFStateError, replicate
+from ffstate import FFStateError, replicate
+from ffstate.bench import chaos
 from ffstate.bench._report import free_ports
 from ffstate.testing.bitwise import compare_runs
 from helpers import assert_bitwise_equal
@@ -52,37 +53,27 @@ def restores(tmp: Path, job: str) -> list[dict]:
     return [e for e in events if e["event"] == "restored"]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    torchrun(tmp / "out", env_for(tmp, "ref"), "--no-ffstate")
-    return tmp / "out"
-
-
-def test_rank_killed_right_after_a_commit_resumes_bit_exact_losing_nothing(reference, tmp_path):
-    job = f"t{uuid.uuid4().hex[:6]}"
-    proc = torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "2", "--kill-step", "5")
-    assert (tmp_path / "out" / "killed-rank").exists()
-    events = restores(tmp_path, job)
-    assert sorted(e["rank"] for e in events) == [0, 1, 2, 3]
-    assert {e["version"] for e in events} == {5} and {e["steps_lost"] for e in events} == {0}
-    assert all("local slots" in e["source"] for e in events)  # no node was lost: memory copies
-    assert compare_runs(tmp_path / "out", reference, 4) == []
-    assert "profiled" not in proc.stdout + proc.stderr  # DDP marks its collectives: nothing to profile
-    finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
-                if json.loads(line)["event"] == "finished"]
+def test_ranks_killed_after_a_commit_mid_step_and_mid_commit_resume_bit_exact(tmp_path):
+    """Three kills in one job (the demo's worker, DDP + ZeRO): right after its commit a rank loses nothing; in the
+    middle of a step it redoes that step, which it had not committed; inside its commit (its slot half written,
+    never published) the job goes back one step. Every restore comes from the nodes' own slots, and the run ends
+    bit-identical to the one without failures."""
+    schedule = [{"kind": "rank", "step": 4, "rank": 2, "phase": "after-commit"},
+                {"kind": "rank", "step": 7, "rank": 1, "phase": "mid-step"},
+                {"kind": "rank", "step": 10, "rank": 3, "phase": "mid-commit"}]
+    result = chaos.run_schedule(schedule, STEPS, timeout=500, work=tmp_path)
+    assert result["bit_identical"], result["differences"]
+    after, mid_step, mid_commit = result["failures"]
+    assert after["v_star"] == 4 and after["steps_lost"] == 0, after
+    assert mid_step["v_star"] == 6 and mid_step["steps_lost"] == 0, mid_step  # step 7 was never committed
+    assert mid_commit["v_star"] == 9 and mid_commit["steps_lost"] == 1, mid_commit  # the others committed 10
+    events = [json.loads(line) for line in (tmp_path / "with-failures" / "events.jsonl").read_text().splitlines()]
+    restored = [e for e in events if e["event"] == "restored"]
+    assert len(restored) == 12 and all("local slots" in e["source"] for e in restored)  # no node lost: memory
+    finished = [e for e in events if e["event"] == "finished"]
     assert sorted(e["rank"] for e in finished) == [0, 1, 2, 3]
     assert {e["global_committed"] for e in finished} == {STEPS}  # every rank's holders had the last step
-
-
-@pytest.mark.parametrize("phase", ["mid-step", "mid-commit"])
-def test_rank_killed_mid_step_or_mid_commit_resumes_bit_exact_losing_at_most_one_step(reference, tmp_path, phase):
-    job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--kill-rank", "1", "--kill-step", "6", "--kill-phase", phase)
-    events = restores(tmp_path, job)
-    assert len(events) == 4 and {e["version"] for e in events} <= {5, 6}
-    assert all(e["steps_lost"] <= 1 for e in events)
-    assert compare_runs(tmp_path / "out", reference, 4) == []
+    assert "profiled" not in (tmp_path / "with-failures.log").read_text()  # DDP marks its collectives
 
 
 def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp_path):
@@ -138,20 +129,6 @@ def test_wrong_use_gets_clear_errors(monkeypatch):
             pass
 
 
-def test_fsdp2_rank_killed_resumes_bit_exact(tmp_path):
-    """FSDP2 (fully_shard) on CPU with gloo: DTensor parameters and optimizer state, per-rank shards."""
-    ref = tmp_path / "ref"
-    torchrun(ref / "out", env_for(ref, "fsdp2ref"), "--parallel", "fsdp2", "--no-ffstate")
-    job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "fsdp2", "--kill-rank", "1", "--kill-step", "4")
-    events = restores(tmp_path, job)
-    assert {e["version"] for e in events} == {4} and {e["steps_lost"] for e in events} == {0}
-    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
-    finished = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()
-                if json.loads(line)["event"] == "finished"]  # FSDP2: every rank's shard is its own, nothing to split
-    assert len(finished) == 4 and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
-
-
 # ---------------------------------------------------------------- the razor: each byte replicated once per DP group
 
 
@@ -162,33 +139,28 @@ def reference_ddp(tmp_path_factory):
     return tmp / "out"
 
 
-def test_razor_ddp_rank_killed_rebuilds_from_the_groups_parts_bit_exact(reference_ddp, tmp_path):
+def test_razor_ddp_rank_then_node_killed_rebuild_from_the_groups_parts_bit_exact(reference_ddp, tmp_path):
     """DDP with a plain AdamW: model and optimizer state are split 4 ways; status shows each rank replicating
-    a quarter; the killed rank's state is put back together from all four ranks' parts."""
+    a quarter. A killed rank's state is put back together from all four ranks' parts (its node's slots); then a
+    whole node is lost and every rank rebuilds from the surviving node's slots and replicas."""
     job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-rank", "2", "--kill-step", "5",
-             "--status-step", "8")
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-rank", "2", "--kill-step", "4",
+             "--status-step", "6", "--kill-node", "1", "--kill-node-step", "8")
     restored = job_events(tmp_path, job, "restored")
-    assert {e["version"] for e in restored} == {5} and {e["steps_lost"] for e in restored} == {0}
-    assert all(sorted(map(int, e["parts_from"])) == sorted({0, 1, 2, 3} - {e["rank"]}) for e in restored)
+    rank, node = [e for e in restored if e["attempt"] == 1], [e for e in restored if e["attempt"] == 2]
+    assert {e["version"] for e in rank} == {4} and {e["steps_lost"] for e in rank} == {0}
+    assert all(sorted(map(int, e["parts_from"])) == sorted({0, 1, 2, 3} - {e["rank"]}) for e in rank)
+    assert len(node) == 4 and len({e["version"] for e in node}) == 1
+    assert all(e["steps_lost"] <= 1 for e in node), node
     assert compare_runs(tmp_path / "out", reference_ddp, 4) == []
     finished = job_events(tmp_path, job, "finished")
     assert {tuple(e["razor_group"]) for e in finished} == {(0, 1, 2, 3)}
     assert all(e["shard_bytes"] < 0.26 * e["state_bytes"] for e in finished), finished
     status = (tmp_path / "out" / "status.txt").read_text()
     assert "razor" in status and "0,1,2,3" in status and " 0.25 " in status, status
-    # Each rank's restore, as its worker recorded it in its slots for the daemon: 1 restore, to step 5, 0 lost.
-    for rank in range(4):
-        assert re.search(rf"{job} +│ +{rank}/4 +│ +1 +│ +5 +│ +0 +│", status), status
-
-
-def test_razor_ddp_node_lost_rebuilds_from_the_surviving_copies_bit_exact(reference_ddp, tmp_path):
-    job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-node", "1", "--kill-node-step", "6")
-    restored = job_events(tmp_path, job, "restored")
-    assert len(restored) == 4 and len({e["version"] for e in restored}) == 1
-    assert all(e["steps_lost"] <= Config().max_lag for e in restored)
-    assert compare_runs(tmp_path / "out", reference_ddp, 4) == []
+    # Each rank's restore, as its worker recorded it in its slots for the daemon: 1 restore, to step 4, 0 lost.
+    for r in range(4):
+        assert re.search(rf"{job} +│ +{r}/4 +│ +1 +│ +4 +│ +0 +│", status), status
 
 
 def test_razor_mismatch_in_a_supposedly_identical_entry_is_detected_and_falls_back(tmp_path):
