@@ -126,8 +126,9 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, restarts: int, timeout: float) -> float:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+def _torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, restarts: int, timeout: float,
+              world: int = WORLD) -> float:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
             "--max-restarts", str(restarts), "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps),
             *extra]
     start = time.perf_counter()
@@ -225,10 +226,10 @@ def run(failures: int, seed: int, gap: int, timeout: float, work: Path | None = 
 
 
 def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | None = None,
-                 env: dict | None = None, worker: list[str] | None = None) -> dict:
+                 env: dict | None = None, worker: list[str] | None = None, world: int = WORLD) -> dict:
     """The job under ``schedule`` (``demo/faults.py``) for ``steps`` steps, then without failures and without
     ffstate, compared bit for bit; ``env``: more variables for the job (``FFSTATE_*`` knobs); ``worker``: more
-    arguments for both runs' workers (``--parallel ddp``, say)."""
+    arguments for both runs' workers (``--parallel ddp``, say); ``world``: ranks, over the 2 simulated nodes."""
     worker = list(worker or [])
     work = Path(work or tempfile.mkdtemp(prefix="ffstate-chaos-"))
     failing, reference = work / "with-failures", work / "reference"
@@ -246,7 +247,7 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     sampler.start()
     try:
         wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json"), *worker], env,
-                         work / "with-failures.log", restarts, timeout)
+                         work / "with-failures.log", restarts, timeout, world)
     finally:
         left = _leftover_daemons(run_dir)
         sampler.stopped.set()
@@ -257,8 +258,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
     exits = [int(m) for log in failing.glob("daemon-*.log")
              for m in re.findall(r"exiting, (\d+) bytes accounted", log.read_text())]
-    ref_wall = _torchrun(reference, steps, ["--no-ffstate", *worker], env, work / "reference.log", 0, timeout)
-    diffs = compare_runs(failing, reference, WORLD)
+    ref_wall = _torchrun(reference, steps, ["--no-ffstate", *worker], env, work / "reference.log", 0, timeout, world)
+    diffs = compare_runs(failing, reference, world)
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
                         _jsonl(failing / "events.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -49,7 +49,8 @@ class Job:
         self.job = job_id(cfg)
         self.topology = placement.topology(self.rank, self.world, cfg)
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        self.prefix = f"ffstate/{self.job}/{self._generation()}"
+        self.generation = self._generation()  # this attempt's name, the same on every rank
+        self.prefix = f"ffstate/{self.job}/{self.generation}"
         self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
         self.run_dir.mkdir(exist_ok=True)
         self.token = self._token()

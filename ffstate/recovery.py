@@ -252,6 +252,8 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
     seen = max([reached, *(max(a.versions) for a in available.values() if a.versions)])
     v, last = negotiate(job, restorable(available), missing=missing, seen=seen,
                         live=restorable(available, live_only=True), check=lambda vs: _checked(disk_dir, vs, needed))
+    if disk_dir is not None:
+        _drop_newer(job, disk_dir, v)
     if v == 0:
         log.info("rank %d: no replicas of job %s: starting at step 0", me, job.job)
         return None
@@ -293,6 +295,15 @@ def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, A
                 "source": got.source, "parts_from": parts, "bytes": got.nbytes, "restore_seconds": got.seconds,
                 "entry_seconds": got.entry_seconds})
     return got
+
+
+def _drop_newer(job: Job, disk_dir: Path, v: int) -> None:
+    """The persisted versions past v* belong to the run that died: the steps are about to be redone (maybe
+    differently), into the same folders. Rank 0 removes them before any rank goes on (the others wait for it)."""
+    if job.rank == 0:
+        for gone in persist.drop_newer(disk_dir, v):
+            log.info("rank 0: removed persisted version %s of the run that died (v* is %d)", gone.name, v)
+    job.exchange("persist-dropped", v, [0], NEGOTIATE_TIMEOUT)
 
 
 def _checked(disk_dir: Path | None, versions: list[int], ranks: list[int]) -> set[int]:

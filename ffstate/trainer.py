@@ -88,6 +88,7 @@ class Replicated:
         groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
         self._check_state(groups)
         self.daemon = launch.node_daemon(job)
+        self._check_persist()
         holder_nodes = placement.holder_nodes(job.topology.node, job.topology.num_nodes, self.cfg.replicas)
         self.holders = job.daemon_addresses(holder_nodes)
         launch.check_holders(job, holder_nodes, self.holders)
@@ -112,6 +113,19 @@ class Replicated:
                                f"are under {sorted({p.split('/')[0] for p in state})} (e.g. model, optim/state)")
         if self.extra is not None:
             extras.warn_pitfalls(self.extra, self.rank)
+
+    def _check_persist(self) -> None:
+        """Says so when this worker reads the persistent tier from one place and its node's daemon, started by hand
+        (``ffstate serve``), flushes to another or nowhere: the versions it would resume from never get written."""
+        if not self.cfg.persist_dir or not self.topology.first_on_node:
+            return
+        got = self.daemon.inventory(self.job.job)
+        flushed = got.persist.dir if got.HasField("persist") else ""
+        if os.path.realpath(flushed or "/nonexistent") != os.path.realpath(self.cfg.persist_dir):
+            log.warning("rank %d: Config.persist_dir is %s but node %s's daemon flushes %s: versions of this node's "
+                        "ranks will not be in the persistent tier; start it with --persist-dir %s (or let the workers "
+                        "start it)", self.rank, self.cfg.persist_dir, self.topology.node_id,
+                        f"to {flushed}" if flushed else "nowhere (no --persist-dir)", self.cfg.persist_dir)
 
     def _load(self, state: dict) -> None:
         capture.restore(self.model, self.optimizer, self.lr_scheduler, self.extra, state)
@@ -229,7 +243,8 @@ class Replicated:
         # replication, so that none of them is replicated from the slots of the run that died.
         resp = self.daemon.attach(self.job.job, self.rank, self.world, manifest, holders=self.holders,
                                   razor=self.razor.report(manifest), discard_after=self._last,
-                                  persist_keys=persist_keys.to_json(persist_keys.key_map(self.model, self.optimizer)))
+                                  persist_keys=persist_keys.to_json(persist_keys.key_map(self.model, self.optimizer,
+                                                                                         self.job.generation)))
         self._slots = shm.Slots(list(resp.slot_paths), manifest)
         self._writer = SlotWriter(self._slots)
         self._slots.set_razor_counters(self.razor.verified, self.razor.mismatches)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import queue
 import threading
 import time
@@ -33,6 +34,7 @@ log = logging.getLogger("ffstate.daemon.persist")
 
 ERROR_LOG_EVERY = 30.0  # seconds between two logs of the same kind of flush failure
 DECIDED = 16  # versions whose flush-or-skip decision is remembered (so that a node's ranks decide alike)
+REACHED_EVERY = 0.1  # seconds between writes of the newest version taken (reached-<node>.json), when it moved
 
 
 @dataclass
@@ -65,12 +67,13 @@ class Persister:
     def __init__(self, root: Path, every: int, keep: int, reserve: Callable[[int, str], None],
                  release: Callable[[int], None], node_id: str = "node"):
         self.root, self.every, self.keep, self.node_id = Path(root), every, keep, node_id
-        self._reached: dict[str, int] = {}
+        self._reached: dict[str, int] = {}  # job -> the newest version taken (the replicator's threads write it)
+        self._noted: dict[str, int] = {}  # job -> the version written to its reached file
         self.reserve, self.release = reserve, release
         self.stats = PersistStats()
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._writing = 0  # the version being written (0: idle)
+        self._writing: tuple[str, int] | None = None  # (job, version) being written
         self._decided: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
         self._logged: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="ffstate-persist", daemon=True)
@@ -85,18 +88,14 @@ class Persister:
     def offer(self, key: ShardKey, version: int, manifest: Manifest, data: torch.Tensor, checksum: int,
               keys: dict | None, unchanged: Callable[[], bool]) -> None:
         """A version the replicator took from ``key``'s slot: ``data`` its bytes, valid while ``unchanged()``."""
-        if version > self._reached.get(key.job_id, 0):
+        if version > self._reached.get(key.job_id, 0):  # written by the thread within REACHED_EVERY, unless it flushes
             self._reached[key.job_id] = version
-            try:
-                persist.note_reached(self.root / key.job_id, self.node_id, version)
-            except OSError:  # best effort; a failing filesystem shows in the flushes
-                pass
         if version % self.every:
             return
         if not self._decide(key.job_id, version):
             self.stats.skipped += 1
-            log.info("%s: version %d not flushed: version %d is still being written (the disk sets the pace)", key,
-                     version, self._writing)
+            log.info("%s: version %d not flushed: %s is still being written (the disk sets the pace)", key, version,
+                     "version %d of job %s" % self._writing[::-1] if self._writing else "an older version")
             return
         try:
             self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
@@ -118,20 +117,42 @@ class Persister:
             got = self._decided.get((job, version))
             if got is None:
                 with self._queue.mutex:
-                    queued = {j.version for j in self._queue.queue if j is not None}
-                got = not ({self._writing} | queued) - {0, version}
+                    busy = {(j.key.job_id, j.version) for j in self._queue.queue if j is not None}
+                if self._writing is not None:
+                    busy.add(self._writing)
+                got = not busy - {(job, version)}
                 self._decided[(job, version)] = got
                 while len(self._decided) > DECIDED:
                     self._decided.popitem(last=False)
             return got
 
+    def _note_reached(self) -> None:
+        """The newest version taken per job, to ``reached-<node>.json`` beside its versions (best effort): a resume
+        from disk counts its steps lost from it."""
+        for job, version in list(self._reached.items()):
+            if self._noted.get(job) != version:
+                try:
+                    persist.note_reached(self.root / job, self.node_id, version)
+                    self._noted[job] = version
+                except OSError:  # a failing filesystem shows in the flushes
+                    pass
+
     def _run(self) -> None:
+        try:  # torch.distributed.checkpoint's import (a second or more on a loaded node) before the first flush
+            persist.write.prepare()
+        except Exception:  # a broken install shows in the first flush, with its error
+            log.exception("importing torch.distributed.checkpoint failed")
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=REACHED_EVERY)
+            except queue.Empty:
+                self._note_reached()
+                continue
             if job is None:
+                self._note_reached()
                 return
             with self._lock:
-                self._writing = job.version
+                self._writing = (job.key.job_id, job.version)
             try:
                 self._flush(job)
             except Exception as e:  # a bug must not stop the daemon, nor later flushes
@@ -140,7 +161,8 @@ class Persister:
             finally:
                 self.release(job.data.numel())
                 with self._lock:
-                    self._writing = 0
+                    self._writing = None
+            self._note_reached()
 
     def _flush(self, job: _Job) -> None:
         key, start = job.key, time.perf_counter()
@@ -149,9 +171,11 @@ class Persister:
         try:
             items = persist.items_of(job.manifest, job.data, job.keys, key.rank, param_groups=key.rank == 0)
             persist.write_rank(vdir, key.job_id, job.version, key.rank, key.world_size, job.manifest, job.checksum,
-                               items)
-        except OSError as e:
-            self._failed(type(e).__name__, f"{key}: flushing version {job.version} to {vdir} failed: {e}")
+                               items, str(job.keys.get("timeline", "")))
+        except (OSError, RuntimeError) as e:  # torch.save into a full disk says "unexpected pos": say why
+            why = _diagnose(vdir, job.data.numel(), e)
+            persist.remove_rank(vdir, key.rank)  # what it wrote of the version would fill the disk for the next
+            self._failed(type(e).__name__, f"{key}: flushing version {job.version} to {vdir} failed: {why}")
             return
         except FFStateError as e:
             self._failed("keys", f"{key}: version {job.version} cannot be written: {e}")
@@ -182,3 +206,20 @@ class Persister:
         if now - self._logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
             self._logged[kind] = now
             log.error("%s (training goes on; such failures logged at most every %.0fs)", message, ERROR_LOG_EVERY)
+
+
+def _diagnose(path: Path, need: int, error: BaseException) -> str:
+    """``error``, and what the filesystem under ``path`` says of it: read-only, or fuller than ``need`` bytes."""
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return str(error)
+    if st.f_flag & os.ST_RDONLY:
+        return f"{error} (the filesystem at {where} is read-only)"
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        return f"{error} (no space left on device: {free} bytes free at {where}, the version takes {need})"
+    return str(error)

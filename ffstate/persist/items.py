@@ -175,6 +175,8 @@ def check_keys(raw: bytes) -> dict:
             for dims in (size, offset):
                 if dims is not None and not (isinstance(dims, list) and all(isinstance(d, int) and d >= 0 for d in dims)):
                     raise FFStateError(f"key map entry {path!r}: sizes and offsets are lists of ints >= 0")
+        if not isinstance(keys.get("timeline", ""), str) or len(keys.get("timeline", "")) > 64:
+            raise FFStateError("key map timeline: a string of at most 64 characters")
         groups = keys.get("param_groups")
         if groups is not None and not (isinstance(groups.get("path"), str) and isinstance(groups.get("params"), list)):
             raise FFStateError("key map param_groups: a path and a list of FQN lists")

@@ -43,8 +43,9 @@ def _global(t: torch.Tensor) -> tuple[list[int] | None, list[int] | None]:
     return list(t.shape), list(chunk.offsets)
 
 
-def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The key map of a job's model and optimizer (see the module docstring)."""
+def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, timeline: str = "") -> dict:
+    """The key map of a job's model and optimizer (see the module docstring); ``timeline`` names the attempt (the
+    same on every rank): a version is complete only when every rank's record of it comes from one attempt."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -68,7 +69,7 @@ def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
                 size, offset = _global(v) if v.dim() else (None, None)
                 tensors[f"{state_prefix}/{i}/{k}"] = [f"optim.state.{fqn}.{k}", size, offset]
     groups = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
-    out: dict[str, Any] = {"v": KEYS_VERSION, "tensors": tensors}
+    out: dict[str, Any] = {"v": KEYS_VERSION, "tensors": tensors, "timeline": timeline}
     if all(all(g) for g in groups):
         out["param_groups"] = {"path": groups_path, "params": groups}
     return out

@@ -95,6 +95,11 @@ def _dcp() -> Any:
         WriteItemType=WriteItemType, WriteResult=WriteResult, Planner=Planner)
 
 
+def prepare() -> None:
+    """Imports torch.distributed.checkpoint now (the daemon's persister does it before its first flush)."""
+    _dcp()
+
+
 def _index(item: Item) -> Any:
     d = _dcp()
     return d.MetadataIndex(item.fqn) if item.is_bytes else d.MetadataIndex(item.fqn, torch.Size(item.offsets))
@@ -140,8 +145,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_rank(vdir: Path, job: str, version: int, rank: int, world: int, manifest: Manifest, checksum: int,
-               items: list[Item]) -> dict:
-    """Writes one rank's version into ``vdir`` (its data file, then its record); returns the record.
+               items: list[Item], timeline: str = "") -> dict:
+    """Writes one rank's version into ``vdir`` (its data file, then its record); returns the record. ``timeline``
+    names the attempt that committed it: after a restore to v*, the versions past v* are redone (maybe
+    differently), and a version is complete only when every rank's record comes from one attempt.
 
     Raises:
         OSError: the filesystem refused (full, read-only, gone): the caller counts it and goes on.
@@ -155,7 +162,7 @@ def write_rank(vdir: Path, job: str, version: int, rank: int, world: int, manife
     where = {r.index: r.storage_data for r in results}
     files = sorted({info.relative_path for info in where.values()})
     record = {
-        "format": FORMAT, "job": job, "version": version, "rank": rank, "world": world,
+        "format": FORMAT, "job": job, "version": version, "rank": rank, "world": world, "timeline": timeline,
         "manifest": manifest.to_json().decode(), "checksum": f"{checksum:016x}", "nbytes": manifest.nbytes,
         "files": {name: dict(zip(("size", "checksum"), file_checksum(vdir / name))) for name in files},
         "items": [{"fqn": i.fqn, "bytes": i.is_bytes, "dtype": str(i.data.dtype).removeprefix("torch.")
@@ -189,6 +196,8 @@ def finalize(vdir: Path, world: int) -> bool:
         if (vdir / COMPLETE).exists():
             return True
         records = [json.loads(record_path(vdir, r).read_text()) for r in range(world)]
+        if len({rec.get("timeline", "") for rec in records}) > 1:  # a record of the run that died: not complete
+            return False
         metadata, results = _metadata(records)
         writer = _dcp().FileSystemWriter(vdir, single_file_per_rank=True, sync_files=True, overwrite=True)
         writer.finish(metadata, [results])
@@ -222,6 +231,34 @@ def _metadata(records: list[dict]) -> tuple[Any, list]:
             planner[fqn] = tuple(it["path"])
             results[index] = d.WriteResult(index, it["length"], d.StorageInfo(it["file"], it["offset"], it["length"]))
     return d.Metadata(state_dict_metadata=sd, planner_data=planner), list(results.values())
+
+
+def drop_newer(job_dir: Path, version: int) -> list[Path]:
+    """Removes every version folder past ``version`` (complete or not); returns them."""
+    gone = []
+    try:
+        entries = sorted(job_dir.iterdir())
+    except OSError:
+        return []
+    for d in entries:
+        if d.name.startswith("v") and d.name[1:].isdigit() and int(d.name[1:]) > version:
+            (d / COMPLETE).unlink(missing_ok=True)  # first: never complete while half removed
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+def remove_rank(vdir: Path, rank: int) -> None:
+    """Removes what a failed flush wrote of ``rank``'s files in ``vdir`` (and the folder, if nothing else is in it)."""
+    for path in [*vdir.glob(f"__{rank}_*"), record_path(vdir, rank), record_path(vdir, rank).with_suffix(".json.tmp")]:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    try:
+        vdir.rmdir()
+    except OSError:
+        pass
 
 
 def note_reached(job_dir: Path, node_id: str, version: int) -> None:

@@ -1,9 +1,9 @@
-"""The persistent tier under real torchrun (4 ranks as 2 simulated nodes, the demo's worker): the whole job lost,
+"""The persistent tier under real torchrun (2 ranks as 2 simulated nodes, the demo's worker): the whole job lost,
 every daemon and every rank SIGKILLed and the nodes' shared memory and run folders removed as on new machines, then
 relaunched: it resumes from the persisted versions, never a torn one, skipping a corrupted newest version for the
 older one with a warning naming the file, and ends bit-identical to the run without failures. A persisted
 version is a real DCP checkpoint: DCP alone loads it into a plain model and optimizer, and (FSDP2) into a model
-sharded over another world size."""
+sharded over another world size (3 ranks: uneven shards)."""
 
 import json
 import os
@@ -24,7 +24,8 @@ from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(800)
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 20
+STEPS = 18
+WORLD = 2
 
 
 def env_for(tmp: Path, job: str, persist_dir: Path | None = None) -> dict:
@@ -37,7 +38,7 @@ def env_for(tmp: Path, job: str, persist_dir: Path | None = None) -> dict:
 
 
 def torchrun(out: Path, env: dict, *extra: str, steps: int = STEPS, ok: bool = True) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts",
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), "--max-restarts",
             "0", "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -61,34 +62,34 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
     reference = tmp_path / "reference"
     torchrun(reference, env_for(tmp_path, "reference"), "--no-ffstate")
     env, out, job_dir = env_for(tmp_path, job, store), tmp_path / "out", store / job
-    kills = ("--kill-job-steps", "9,15")
+    kills = ("--kill-job-steps", "9,14")
 
     torchrun(out, env, *kills, ok=False)  # lost after step 9
     new_machines(tmp_path, job)
     done, reached = persist.complete_versions(job_dir), persist.reached(job_dir)
-    assert len(done) >= 2 and done[-1] <= 9 and reached == 9, (done, reached)
+    assert len(done) >= 2 and done[-1] <= reached <= 9, (done, reached)  # reached: recorded within a second
     for v in done:  # daemons SIGKILLed mid-flush leave no version that looks complete and is not
-        persist.check(persist.version_dir(job_dir, v), list(range(4)))
+        persist.check(persist.version_dir(job_dir, v), list(range(WORLD)))
     newest, older = done[-1], done[-2]
-    bad = persist.version_dir(job_dir, newest) / "__2_0.distcp"
+    bad = persist.version_dir(job_dir, newest) / "__1_0.distcp"
     raw = bytearray(bad.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     bad.write_bytes(raw)
 
-    second = torchrun(out, env, *kills, ok=False)  # resumes at the older version, lost again after step 15
+    second = torchrun(out, env, *kills, ok=False)  # resumes at the older version, lost again after step 14
     got = restored(tmp_path, job)
-    assert sorted(e["rank"] for e in got) == [0, 1, 2, 3] and {e["version"] for e in got} == {older}, got
+    assert sorted(e["rank"] for e in got) == list(range(WORLD)) and {e["version"] for e in got} == {older}, got
     assert all(e["source"].startswith("persisted ") and e["steps_lost"] == reached - older for e in got), got
-    assert re.search(rf"persisted version {newest} cannot be used: \S+__2_0\.distcp: checksum", second.stdout
+    assert re.search(rf"persisted version {newest} cannot be used: \S+__1_0\.distcp: checksum", second.stdout
                      + second.stderr)
     new_machines(tmp_path, job)
     done = persist.complete_versions(job_dir)
-    assert done[-1] > older and persist.reached(job_dir) == 15, done
+    assert done[-1] > older and done[-1] <= persist.reached(job_dir) <= 14, done
 
     torchrun(out, env, *kills)  # resumes at the newest complete version and finishes
     got = restored(tmp_path, job)
     assert {e["version"] for e in got} == {done[-1]} and all(e["source"].startswith("persisted") for e in got), got
-    assert compare_runs(out, reference, 4) == []
+    assert compare_runs(out, reference, WORLD) == []
 
     # The newest version is a DCP checkpoint: DCP alone (no ffstate) loads it into a plain TinyGPT and AdamW.
     vdir = persist.version_dir(job_dir, persist.complete_versions(job_dir)[-1])
@@ -96,7 +97,7 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
     subprocess.run([sys.executable, str(ROOT / "tests/procs/dcp_load.py"), str(vdir), "--out", str(loaded), "--plain"],
                    check=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     plain = torch.load(loaded, weights_only=True)
-    shards = {r: persist.read_shard(vdir, r)[0] for r in range(4)}  # ffstate's own reading, checksum-verified
+    shards = {r: persist.read_shard(vdir, r)[0] for r in range(WORLD)}  # ffstate's own reading, checksum-verified
     whole = razor.assemble(shards[0], shards)
     assert_bitwise_equal(plain["model"], {k.removeprefix("module."): v for k, v in whole["model"].items()})
     # ZeRO: every parameter's optimizer state, each from the rank that owns it, under the parameter's name
@@ -128,38 +129,38 @@ def _model():
 def test_fsdp2_rank_killed_resumes_bit_exact_and_its_persisted_version_loads_through_dcp_at_other_sizes(tmp_path):
     """FSDP2 (fully_shard) on CPU with gloo: DTensor parameters and optimizer state, per-rank shards, nothing for
     the razor to split. A rank killed after a commit resumes from its node's slots, bit-identical; the versions
-    the daemons flushed meanwhile are DCP checkpoints that DCP alone loads into FSDP2 at 2 ranks and into a plain
-    model, resharded from the 4 ranks' chunks."""
+    the daemons flushed meanwhile are DCP checkpoints that DCP alone loads into FSDP2 at 3 ranks and into a plain
+    model, resharded from the 2 ranks' chunks."""
     steps, job, store = 8, f"persist-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
     reference, out = tmp_path / "reference", tmp_path / "out"
     torchrun(reference, env_for(tmp_path, "fsdp2ref"), "--parallel", "fsdp2", "--no-ffstate", steps=steps)
     env = {**env_for(tmp_path, job, store), "FFSTATE_PERSIST_EVERY": "4"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "--max-restarts", "1", "-m", "ffstate.demo.worker", "--out", str(out), "--steps",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(WORLD), "--max-restarts", "1", "-m", "ffstate.demo.worker", "--out", str(out), "--steps",
                            str(steps), "--parallel", "fsdp2", "--kill-rank", "1", "--kill-step", "3"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = restored(tmp_path, job)
     assert {e["version"] for e in got} == {3} and {e["steps_lost"] for e in got} == {0}
     assert all("local slots" in e["source"] for e in got)  # live copies first: the disk is for when none is left
-    assert compare_runs(out, reference, 4) == []
+    assert compare_runs(out, reference, WORLD) == []
     events = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()]
     finished = [e for e in events if e["event"] == "finished"]
-    assert len(finished) == 4 and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
+    assert len(finished) == WORLD and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
     assert persist.complete_versions(store / job)[-1] == steps  # the daemons flush what is queued before they exit
     vdir = persist.version_dir(store / job, steps)
-    finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True) for r in range(4)]
-    for flags, name in (([], "two.pt"), (["--plain"], "one.pt")):
+    finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    for flags, name in (([], "three.pt"), (["--plain"], "one.pt")):
         if flags:
             cmd = [sys.executable, str(ROOT / "tests/procs/dcp_load.py")]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                    str(ROOT / "tests/procs/dcp_load.py")]
         subprocess.run([*cmd, str(vdir), "--out", str(tmp_path / name), *flags], check=True, timeout=180,
                        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
-    two, one = torch.load(tmp_path / "two.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
-    assert_bitwise_equal(two, one)  # resharded from 4 ranks to 2, and to 1: the same tensors
-    for k, v in one["model"].items():  # ...and the job's own: its 4 ranks' shards at the end, laid end to end
+    three, one = torch.load(tmp_path / "three.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
+    assert_bitwise_equal(three, one)  # resharded from 2 ranks to 3 (uneven shards), and to 1: the same tensors
+    for k, v in one["model"].items():  # ...and the job's own: its 2 ranks' shards at the end, laid end to end
         assert_bitwise_equal(v, torch.cat([f["params"][k] for f in finals]).reshape(v.shape))
     for i, (fqn, p) in enumerate(_model().named_parameters()):  # the optimizer's too, by parameter order
         for k in ("exp_avg", "exp_avg_sq"):

@@ -1,6 +1,6 @@
-"""ffstate.replicate around real training: torchrun with 4 ranks as 2 simulated nodes (DDP + ZeRO AdamW,
-the demo's worker), real SIGKILLs of a rank and of a whole node, and a single process; each run ends
-bit-identical to the same run without failures. A daemon killed while training goes on, a node lost right after a
+"""ffstate.replicate around real training: torchrun with 2 ranks as 2 simulated nodes (DDP + ZeRO AdamW,
+the demo's worker; 4 ranks in the chaos test), real SIGKILLs of a rank and of a whole node, and a single process;
+each run ends bit-identical to the same run without failures. A daemon killed while training goes on, a node lost right after a
 rank's restart, and two failures in a row are in the chaos run's test (test_chaos.py); FSDP2 in test_persist.py."""
 
 import json
@@ -23,6 +23,7 @@ from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 12
+WORLD = 2  # ranks, one per simulated node: the properties here need no more, and a 2-core machine runs them twice as fast
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -33,7 +34,7 @@ def env_for(tmp: Path, job: str) -> dict:
 
 
 def torchrun(out: Path, env: dict, *extra: str, ok: bool = True, restarts: int = 3) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--max-restarts",
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), "--max-restarts",
             str(restarts), "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(STEPS), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=500)
     if ok:
@@ -58,10 +59,10 @@ def test_ranks_killed_after_a_commit_mid_step_and_mid_commit_resume_bit_exact(tm
     middle of a step it redoes that step, which it had not committed; inside its commit (its slot half written,
     never published) the job goes back one step. Every restore comes from the nodes' own slots, and the run ends
     bit-identical to the one without failures."""
-    schedule = [{"kind": "rank", "step": 4, "rank": 2, "phase": "after-commit"},
-                {"kind": "rank", "step": 7, "rank": 1, "phase": "mid-step"},
-                {"kind": "rank", "step": 10, "rank": 3, "phase": "mid-commit"}]
-    result = chaos.run_schedule(schedule, STEPS, timeout=500, work=tmp_path)
+    schedule = [{"kind": "rank", "step": 4, "rank": 1, "phase": "after-commit"},
+                {"kind": "rank", "step": 7, "rank": 0, "phase": "mid-step"},
+                {"kind": "rank", "step": 10, "rank": 1, "phase": "mid-commit"}]
+    result = chaos.run_schedule(schedule, STEPS, timeout=500, work=tmp_path, world=WORLD)
     assert result["bit_identical"], result["differences"]
     after, mid_step, mid_commit = result["failures"]
     assert after["v_star"] == 4 and after["steps_lost"] == 0, after
@@ -69,9 +70,9 @@ def test_ranks_killed_after_a_commit_mid_step_and_mid_commit_resume_bit_exact(tm
     assert mid_commit["v_star"] == 9 and mid_commit["steps_lost"] == 1, mid_commit  # the others committed 10
     events = [json.loads(line) for line in (tmp_path / "with-failures" / "events.jsonl").read_text().splitlines()]
     restored = [e for e in events if e["event"] == "restored"]
-    assert len(restored) == 12 and all("local slots" in e["source"] for e in restored)  # no node lost: memory
+    assert len(restored) == 3 * WORLD and all("local slots" in e["source"] for e in restored)  # memory copies
     finished = [e for e in events if e["event"] == "finished"]
-    assert sorted(e["rank"] for e in finished) == [0, 1, 2, 3]
+    assert sorted(e["rank"] for e in finished) == list(range(WORLD))
     assert {e["global_committed"] for e in finished} == {STEPS}  # every rank's holders had the last step
     assert "profiled" not in (tmp_path / "with-failures.log").read_text()  # DDP marks its collectives
 
@@ -87,14 +88,15 @@ def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp
                     "--kill-step", "7", "--status-step", "10")
     out = proc.stdout + proc.stderr
     profiled = re.findall(r"rank (\d): profiled 3 steps for the scheduler .*collectives a step: (\d+), on the wire", out)
-    assert sorted(int(r) for r, _ in profiled) == [0, 1, 2, 3] and all(int(n) >= 1 for _, n in profiled), out[-3000:]
-    assert len(re.findall(r"keeps the timeline profiled before the restart", out)) == 4  # not profiled again
+    assert sorted(int(r) for r, _ in profiled) == list(range(WORLD)) and all(int(n) >= 1 for _, n in profiled), \
+        out[-3000:]
+    assert len(re.findall(r"keeps the timeline profiled before the restart", out)) == WORLD  # not profiled again
     assert {e["version"] for e in restores(tmp_path, job)} == {7}
     status = (tmp_path / "out" / "status.txt").read_text()
     assert "profiled timelines" in status, status
-    for rank in range(4):  # steps profiled 3, at least one collective a step
-        assert re.search(rf"{job} +│ +{rank}/4 +│ +3 +│ +[1-9]\d* +│", status), status
-    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
+    for rank in range(WORLD):  # steps profiled 3, at least one collective a step
+        assert re.search(rf"{job} +│ +{rank}/{WORLD} +│ +3 +│ +[1-9]\d* +│", status), status
+    assert compare_runs(tmp_path / "out", ref / "out", WORLD) == []
 
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
@@ -140,50 +142,50 @@ def reference_ddp(tmp_path_factory):
 
 
 def test_razor_ddp_rank_then_node_killed_rebuild_from_the_groups_parts_bit_exact(reference_ddp, tmp_path):
-    """DDP with a plain AdamW: model and optimizer state are split 4 ways; status shows each rank replicating
-    a quarter. A killed rank's state is put back together from all four ranks' parts (its node's slots); then a
-    whole node is lost and every rank rebuilds from the surviving node's slots and replicas."""
+    """DDP with a plain AdamW: model and optimizer state are split between the 2 ranks; status shows each
+    replicating half. A killed rank's state is put back together from both ranks' parts (the nodes' slots); then
+    a whole node is lost and every rank rebuilds from the surviving node's slots and replicas."""
     job = f"t{uuid.uuid4().hex[:6]}"
-    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-rank", "2", "--kill-step", "4",
+    torchrun(tmp_path / "out", env_for(tmp_path, job), "--parallel", "ddp", "--kill-rank", "1", "--kill-step", "4",
              "--status-step", "6", "--kill-node", "1", "--kill-node-step", "8")
     restored = job_events(tmp_path, job, "restored")
     rank, node = [e for e in restored if e["attempt"] == 1], [e for e in restored if e["attempt"] == 2]
     assert {e["version"] for e in rank} == {4} and {e["steps_lost"] for e in rank} == {0}
-    assert all(sorted(map(int, e["parts_from"])) == sorted({0, 1, 2, 3} - {e["rank"]}) for e in rank)
-    assert len(node) == 4 and len({e["version"] for e in node}) == 1
-    assert all(e["steps_lost"] <= 1 for e in node), node
-    assert compare_runs(tmp_path / "out", reference_ddp, 4) == []
+    assert all(sorted(map(int, e["parts_from"])) == [1 - e["rank"]] for e in rank)
+    assert len(node) == WORLD and len({e["version"] for e in node}) == 1
+    assert all(e["steps_lost"] <= 1 for e in node), node  # within the settle window after the restart: 1
+    assert compare_runs(tmp_path / "out", reference_ddp, WORLD) == []
     finished = job_events(tmp_path, job, "finished")
-    assert {tuple(e["razor_group"]) for e in finished} == {(0, 1, 2, 3)}
-    assert all(e["shard_bytes"] < 0.26 * e["state_bytes"] for e in finished), finished
+    assert {tuple(e["razor_group"]) for e in finished} == {(0, 1)}
+    assert all(e["shard_bytes"] < 0.51 * e["state_bytes"] for e in finished), finished
     status = (tmp_path / "out" / "status.txt").read_text()
-    assert "razor" in status and "0,1,2,3" in status and " 0.25 " in status, status
+    assert "razor" in status and "0,1" in status and " 0.50 " in status, status
     # Each rank's restore, as its worker recorded it in its slots for the daemon: 1 restore, to step 4, 0 lost.
-    for r in range(4):
-        assert re.search(rf"{job} +│ +{r}/4 +│ +1 +│ +4 +│ +0 +│", status), status
+    for r in range(WORLD):
+        assert re.search(rf"{job} +│ +{r}/{WORLD} +│ +1 +│ +4 +│ +0 +│", status), status
 
 
 def test_razor_mismatch_in_a_supposedly_identical_entry_is_detected_and_falls_back(tmp_path):
-    """Rank 3's copy of one parameter drifts at step 4 (DDP never re-syncs parameters). The group's checksum
+    """Rank 1's copy of one parameter drifts at step 4 (DDP never re-syncs parameters). The group's checksum
     comparison at commit 4 (every 3 commits here) finds it, that entry goes back to per-rank replication,
-    and a later failure restores rank 3's own copy, bit for bit, not the group's."""
-    perturb = ("--parallel", "ddp", "--perturb-rank", "3", "--perturb-step", "4")
+    and a later failure restores rank 1's own copy, bit for bit, not the group's."""
+    perturb = ("--parallel", "ddp", "--perturb-rank", "1", "--perturb-step", "4")
     ref = tmp_path / "ref"
     torchrun(ref / "out", env_for(ref, "refpert"), *perturb, "--no-ffstate")
     job = f"t{uuid.uuid4().hex[:6]}"
     env = {**env_for(tmp_path, job), "FFSTATE_RAZOR_VERIFY_EVERY": "3"}
-    proc = torchrun(tmp_path / "out", env, *perturb, "--kill-rank", "1", "--kill-step", "8")
+    proc = torchrun(tmp_path / "out", env, *perturb, "--kill-rank", "0", "--kill-step", "8")
     assert "RAZOR MISMATCH at step 4" in proc.stdout + proc.stderr
     mismatches = job_events(tmp_path, job, "razor-mismatch")
-    assert {e["rank"] for e in mismatches if e["attempt"] == 0} == {0, 1, 2, 3}
+    assert {e["rank"] for e in mismatches if e["attempt"] == 0} == set(range(WORLD))
     assert {tuple(e["entries"]) for e in mismatches} == {("model/module.pos",)}
     assert {e["version"] for e in job_events(tmp_path, job, "restored")} == {8}
-    assert compare_runs(tmp_path / "out", ref / "out", 4) == []
+    assert compare_runs(tmp_path / "out", ref / "out", WORLD) == []
     assert all(e["razor_mismatches"] >= 1 for e in job_events(tmp_path, job, "finished"))
 
 
 def test_razor_part_with_no_live_copy_fails_with_the_precise_error(tmp_path):
-    """No replicas (k = 0) and node 1 lost: ranks 2 and 3's parts are gone, so no rank can rebuild its state.
+    """No replicas (k = 0) and node 1 lost: rank 1's part is gone, so no rank can rebuild its state.
     Every rank refuses, naming the parts and the nodes that kept them, instead of restoring a wrong state
     or starting over."""
     job = f"t{uuid.uuid4().hex[:6]}"
@@ -192,8 +194,7 @@ def test_razor_part_with_no_live_copy_fails_with_the_precise_error(tmp_path):
                     ok=False, restarts=1)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "no live copy of rank 2's shard (it was kept on node1 (slots))" in out
-    assert "no live copy of rank 3's shard (it was kept on node1 (slots))" in out
+    assert "no live copy of rank 1's shard (it was kept on node1 (slots))" in out
     assert "every member's part" in out
     assert not job_events(tmp_path, job, "restored")
     for pid_file in (tmp_path / f"ffstate-{job}").glob("daemon-*.pid"):  # the failed job's daemons keep its copies

@@ -145,3 +145,25 @@ def test_an_incomplete_version_is_not_listed_and_retention_keeps_the_newest(tmp_
     persist.prune(tmp_path / "job", keep=2)
     assert persist.complete_versions(tmp_path / "job") == [4, 5] and vdir.exists()  # newer than 5: may be going on
     assert Config().persist_keep >= 1
+
+
+def test_a_version_is_complete_only_when_every_rank_s_record_comes_from_one_attempt(tmp_path):
+    """After a restore to v*, the versions past v* are redone, maybe differently: a record left by the run that
+    died never completes a version with the new run's records."""
+    model, opt = trained()
+    state = capture(model, opt, None, None)
+    keys = keymod.key_map(model, opt)
+    snap = codec.pack(state)
+    vdir = persist.version_dir(tmp_path / "job", 9)
+
+    def write(rank: int, timeline: str) -> None:
+        persist.write_rank(vdir, "job", 9, rank, 2, snap.manifest, snap.checksum,
+                           persist.items_of(snap.manifest, snap.buffer, keys, rank, True), timeline)
+
+    write(0, "dead")
+    write(1, "live")
+    assert not persist.finalize(vdir, 2) and persist.complete_versions(tmp_path / "job") == []
+    write(0, "live")  # the new run's rank 0 flushes the redone version
+    assert persist.finalize(vdir, 2) and persist.complete_versions(tmp_path / "job") == [9]
+    assert [v.name for v in persist.drop_newer(tmp_path / "job", 8)] == ["v000000000009"]
+    assert persist.complete_versions(tmp_path / "job") == []
