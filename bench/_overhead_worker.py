@@ -13,7 +13,7 @@ the profiled timeline: where nothing marks the collectives, ``manual``, it then 
 ``persist`` (the scheduler, its daemons also flushing every version to the persistent tier, ``--persist-every
 1``); ``nowatch`` (the scheduler, its daemons' watchdog off: what the watchdog costs is ``scheduler`` over
 it); ``async-save`` (no ffstate: ``torch.distributed.checkpoint.async_save`` of the model and optimizer after
-every step, a save due while the previous one still runs skipped, as the daemons skip a flush).
+every step, on a process group of its own, the previous save waited for before the next, as torchtitan does).
 ``manual`` is data parallelism by hand (no wrapper; every gradient all-reduced at once after the
 backward), whose collectives the scheduler learns from profiled steps: the first phase that
 profiles pays for it in three of its timed steps (a few percent each; the medians barely move). The daemons of each scheduler
@@ -58,12 +58,14 @@ MAX_LAG = {"lag1": 1}  # Config.max_lag where not the default
 
 
 class AsyncSaver:
-    """``dcp.async_save`` of the model and optimizer after each step (their state dicts as DCP's ``get_state_dict``
-    gives them, staged by DCP's own async path in the training process); a save due while the previous one still
-    runs is skipped; the two newest checkpoints are kept."""
+    """``dcp.async_save`` of the model and optimizer after each step, as torchtitan does it: their state dicts by
+    DCP's ``get_state_dict``, staged by DCP's own async path in the training process, planned on a process group
+    of its own (on the default one its collectives interleave with the training's and hang), and the previous
+    save waited for before the next (the ranks must agree on which steps save: none is skipped). The two newest
+    checkpoints are kept."""
 
-    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path):
-        self.model, self.opt, self.root = model, opt, root
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, root: Path, group):
+        self.model, self.opt, self.root, self.group = model, opt, root, group
         self.pending, self.saved, self.skipped, self.dirs = None, 0, 0, []
 
     def after_step(self, step: int) -> None:
@@ -72,14 +74,12 @@ class AsyncSaver:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        if self.pending is not None and not self.pending.done():
-            self.skipped += 1
-            return
         if self.pending is not None:
             self.pending.result()
         msd, osd = get_state_dict(self.model, self.opt)
         self.dirs.append(self.root / f"step{step}")
-        self.pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=self.dirs[-1])
+        self.pending = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=self.dirs[-1],
+                                      process_group=self.group)
         self.saved += 1
         while len(self.dirs) > 3 and dist.get_rank() == 0:
             shutil.rmtree(self.dirs.pop(0), ignore_errors=True)
@@ -141,6 +141,7 @@ def main() -> None:
         return [t1 - t0, t2 - t1, time.perf_counter() - t2]
 
     modes = a.modes.split(",")
+    ckpt_group = dist.new_group(backend="gloo") if "async-save" in modes else None  # the saves' own collectives
     results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
                                     "drain_seconds": [], "collectives": 0, "collisions": 0, "overlap_seconds": 0.0,
                                     "commit_seconds": [], "part_seconds": [], "steps_run": 0}
@@ -150,7 +151,7 @@ def main() -> None:
             res = results[mode]
             dist.barrier()
             if mode in PLAIN:
-                saver = AsyncSaver(model, opt, a.out / f"async-{r}") if mode == "async-save" else None
+                saver = AsyncSaver(model, opt, a.out / f"async-{r}", ckpt_group) if mode == "async-save" else None
                 for i in range(a.steps):
                     start = time.perf_counter()
                     parts = train_step()

@@ -95,15 +95,27 @@ class DaemonFactory:
             d.kill()
 
 
-@pytest.fixture
-def daemons(tmp_path):
-    factory = DaemonFactory(tmp_path)
-    yield factory
+def _closed(factory: DaemonFactory) -> None:
     factory.close()
     leaked = [p for d in factory.daemons for p in shm.slots.SHM_DIR.glob(f"ffstate-{d.node_id}-*")]
     for p in leaked:
         p.unlink()
     assert not leaked, f"shared memory left behind: {leaked}"
+
+
+@pytest.fixture
+def daemons(tmp_path):
+    factory = DaemonFactory(tmp_path)
+    yield factory
+    _closed(factory)
+
+
+@pytest.fixture(scope="module")
+def module_daemons(tmp_path_factory):
+    """Daemons shared by a module's tests (for cases that each leave the daemon as they found it)."""
+    factory = DaemonFactory(tmp_path_factory.mktemp("daemons"))
+    yield factory
+    _closed(factory)
 
 
 def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):

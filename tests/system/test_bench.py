@@ -14,8 +14,8 @@ import pytest
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
     (["recovery", "--sizes", "small", "--repeats", "1"], "recovery"),
-    (["overhead", "--parallel", "ddp", "--modes", "off,local,naive,scheduler", "--steps", "4", "--repeats", "1"],
-     "overhead"),
+    (["overhead", "--parallel", "ddp", "--modes", "off,local,naive,persist,async-save", "--steps", "4", "--repeats",
+      "1", "--ranks-per-node", "1"], "overhead"),
 ])
 def test_benchmark_writes_its_results(tmp_path, args, name):
     out = subprocess.run([sys.executable, "-m", "ffstate.cli", "bench", *args, "--out", str(tmp_path)],
@@ -28,6 +28,9 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
         local = result["jobs"]["ddp @ loopback"]["local"]
         assert local["wire_bytes_per_step_per_rank"] == 0 and "lag_at_end" not in local
         assert local["commit_seconds"] > 0 and result["jobs"]["ddp @ loopback"]["naive"]["wire_bytes_per_step_per_rank"] > 0
+        for mode in ("persist", "async-save"):  # versions written to disk (or skipped while one was written)
+            row = result["jobs"]["ddp @ loopback"][mode]
+            assert row["saved"] > 0 and row["saved"] + row["skipped"] > 0, (mode, row)
 
 
 def test_simulation_answers_the_way_the_model_says():

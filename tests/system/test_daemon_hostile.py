@@ -41,6 +41,18 @@ def held(daemons, states):
     channel.close()
 
 
+@pytest.fixture(scope="module")
+def shared_held(module_daemons, states):
+    """``held``, one daemon for every case of a test whose cases each leave it as they found it (they check it)."""
+    d = module_daemons.start()
+    with d.client() as c:
+        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
+        used = c.inventory().bytes_used
+    channel = grpc.insecure_channel(d.address)
+    yield d, pb_grpc.ReplicaStub(channel), used, None
+    channel.close()
+
+
 def key(job=JOB):
     return pb.ShardKey(job_id=job, rank=0, world_size=1)
 
@@ -69,8 +81,8 @@ def used(d):
     ("a 100k-deep JSON array", lambda h: b"[" * 100_000 + b"]" * 100_000),
     ("scalars that are not a list", lambda h: json.dumps({**h, "scalars": {"a": 1}}).encode()),
 ])
-def test_a_malformed_header_is_invalid_argument_and_costs_nothing(held, states, case, edit):
-    d, stub, before, _ = held
+def test_a_malformed_header_is_invalid_argument_and_costs_nothing(shared_held, states, case, edit):
+    d, stub, before, _ = shared_held
     delta = codec.encode(states[1], states[0], chunk_bytes=CHUNK)
     with pytest.raises(grpc.RpcError) as e:
         push(stub, with_header(delta, edit))

@@ -43,6 +43,17 @@ def held(daemons, states):
     channel.close()
 
 
+@pytest.fixture(scope="module")
+def shared_held(module_daemons, states):
+    """``held``, one daemon for every case of a test whose cases each leave it at version 1 (they check it)."""
+    d = module_daemons.start("--max-chunk-bytes", "256K")
+    with d.client() as c:
+        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
+    channel = grpc.insecure_channel(d.address)
+    yield d, pb_grpc.ReplicaStub(channel)
+    channel.close()
+
+
 def messages(packed, version, base_version=0, key=None, **override):
     key = key or pb.ShardKey(job_id=JOB, rank=0, world_size=1)
     return [pb.PushChunk(shard=key, version=version, base_version=base_version, chunk_index=c.index,
@@ -108,8 +119,8 @@ def swap(msgs, i, j):
         ("message over the limit", grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     ],
 )
-def test_bad_push_gets_a_precise_status_and_changes_nothing(held, states, case, code, text):
-    d, stub = held
+def test_bad_push_gets_a_precise_status_and_changes_nothing(shared_held, states, case, code, text):
+    d, stub = shared_held
     delta = codec.encode(states[1], states[0], chunk_bytes=CHUNK)
     assert len(delta.chunks) >= 4
     good = lambda: messages(delta, 2, 1)  # noqa: E731
