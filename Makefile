@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# Two workers: the whole-job tests (torchrun, timed in steps) one after another on one, the rest beside them
+# (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # Regenerates the gRPC stubs in ffstate/_proto/ from proto/ (checked in; a test checks they are current).
 proto: $(STAMP)

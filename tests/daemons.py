@@ -89,6 +89,9 @@ class DaemonFactory:
         return self.start(*extra, node_id=d.node_id, port=int(port))
 
     def close(self) -> None:
+        for d in self.daemons:  # all at once: each takes a moment to stop
+            if d.proc.poll() is None:
+                d.proc.send_signal(signal.SIGTERM)
         for d in self.daemons:
             d.terminate()
         for d in self.daemons:

@@ -53,8 +53,16 @@ def pair(daemons):
     return a, b
 
 
-def test_commits_replicate_bit_exact_full_then_deltas(pair, tmp_path):
-    a, b = pair
+@pytest.fixture(scope="module")
+def shared_pair(module_daemons):
+    """A and its holder B, shared by the tests that each use a job of their own and kill neither."""
+    b = module_daemons.start()
+    a = module_daemons.start("--peer", b.address)
+    return a, b
+
+
+def test_commits_replicate_bit_exact_full_then_deltas(shared_pair, tmp_path):
+    a, b = shared_pair
     _, states = run_writer(a, "j1", 6, tmp_path, "--wait-replicated")
     cb = b.client()
     wait_until(lambda: held_version(cb, "j1", 0) == 6, what="B to hold version 6")
@@ -74,8 +82,8 @@ def test_commits_replicate_bit_exact_full_then_deltas(pair, tmp_path):
         slots.close()
 
 
-def test_writer_killed_mid_write_leaves_the_previous_version_intact(pair, tmp_path):
-    a, b = pair
+def test_writer_killed_mid_write_leaves_the_previous_version_intact(shared_pair, tmp_path):
+    a, b = shared_pair
     proc, states = run_writer(a, "j2", 5, tmp_path, "--die-mid-write", "4", check=False)
     assert proc.returncode == -signal.SIGKILL and "committed 3" in proc.stdout
     ca, cb = a.client(), b.client()
@@ -91,8 +99,8 @@ def test_writer_killed_mid_write_leaves_the_previous_version_intact(pair, tmp_pa
     assert_bitwise_equal(codec.decode(cb.fetch("j2", 0, 2)), states[4])
 
 
-def test_step_back_w_versions_bit_exact(pair, tmp_path):
-    a, b = pair
+def test_step_back_w_versions_bit_exact(shared_pair, tmp_path):
+    a, b = shared_pair
     _, states = run_writer(a, "j3", 7, tmp_path, "--wait-replicated")
     cb = b.client()
     wait_until(lambda: held_version(cb, "j3", 0) == 7, what="B at version 7")
@@ -106,12 +114,12 @@ def test_step_back_w_versions_bit_exact(pair, tmp_path):
     assert e.value.code == "NOT_FOUND"
 
 
-def test_reattach_after_a_restore_resumes_replication_at_v_star_with_deltas(pair, tmp_path):
+def test_reattach_after_a_restore_resumes_replication_at_v_star_with_deltas(shared_pair, tmp_path):
     """A worker restored to v* = 3 re-attaches while the slots still hold 4 and 5 of the run that died, and the
     holder has them too: the daemon un-commits them (never re-read as new versions), steps its own copy back to
     3, and asks the holder to step back to 3; the redone steps (different here: another seed) then go out as
     deltas on 3, no full version. Both keep their reach back across the restart."""
-    a, b = pair
+    a, b = shared_pair
     _, old = run_writer(a, "j9", 5, tmp_path, "--wait-replicated")
     cb, ca = b.client(), a.client()
     wait_until(lambda: held_version(cb, "j9", 0) == 5, what="B at version 5")
@@ -217,10 +225,10 @@ def test_a_killed_daemons_slots_are_reclaimed_by_the_nodes_next_daemon(daemons):
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
-    a = daemons.start("--idle-exit", "5")
+    a = daemons.start("--idle-exit", "3")
     slots, states = attached_slots(a, "j10", 2)
     try:
-        for v in range(1, 41):  # 8 s of commits, past the idle timeout, and no call to the daemon
+        for v in range(1, 26):  # 5 s of commits, past the idle timeout, and no call to the daemon
             SlotWriter(slots).commit(states[v % 2], v)
             time.sleep(0.2)
             assert a.proc.poll() is None, f"the daemon exited while commits went on (version {v}):\n{a.log()}"
@@ -228,7 +236,7 @@ def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     finally:
         slots.close()
     assert a.proc.wait(30) == 0  # commits stopped: idle now
-    assert "idle for 5s" in a.log()
+    assert "idle for 3s" in a.log()
 
 
 def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):
@@ -276,8 +284,8 @@ def test_missing_daemon_is_a_clear_error():
             c.inventory()
 
 
-def test_status_prints_the_replica_table(pair, tmp_path):
-    a, b = pair
+def test_status_prints_the_replica_table(shared_pair, tmp_path):
+    a, b = shared_pair
     run_writer(a, "j6", 3, tmp_path)
     wait_until(lambda: held_version(b.client(), "j6", 0) == 3, what="B at version 3")
     out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", a.address, "--daemon", b.address],

@@ -13,7 +13,7 @@ import pytest
 from daemons import TOKEN, held_version
 from helpers import train_states
 
-from ffstate import codec
+from ffstate import cli, codec
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
 from ffstate.bench._report import free_ports
@@ -268,14 +268,13 @@ def test_stalled_push_streams_cannot_take_the_daemon_from_other_clients(daemons,
     assert d.log().count("push stalled: no chunk for 3s") == 4
 
 
-def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, states, tmp_path):
+def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, states, tmp_path, monkeypatch, capsys):
     """A pusher that dies between Push and Commit: the staged version is visible (Inventory, ffstate status,
     metrics) and, after --staged-timeout, discarded with its memory given back and a log line."""
     import time
 
     port = free_ports(1)
-    # 12 s: long enough for `ffstate status` to start (importing torch takes 3-5 s on a loaded 2-core machine)
-    d = daemons.start("--staged-timeout", "12", "--metrics-port", str(port))
+    d = daemons.start("--staged-timeout", "4", "--metrics-port", str(port))
     with d.client() as c:
         before = c.inventory().bytes_used
         packed = codec.encode(states[0], chunk_bytes=CHUNK)
@@ -284,10 +283,11 @@ def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, stat
         (s,) = inv.shards
         assert (s.staged_version, s.version, s.versions) == (1, 0, []) and s.staged_bytes > packed.raw_nbytes
         assert inv.bytes_used == before + s.staged_bytes
-        status = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", d.address],
-                                capture_output=True, text=True, timeout=60,
-                                env={**__import__("os").environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "250"})
-        assert "v1, " in status.stdout, status.stdout
+        monkeypatch.setenv("FFSTATE_TOKEN", TOKEN)  # `ffstate status`, in this process (its start would take
+        monkeypatch.setenv("COLUMNS", "250")  # seconds of the 4: torch's import)
+        assert cli.main(["status", "--daemon", d.address]) == 0
+        status = capsys.readouterr().out
+        assert "v1, " in status, status
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         line = next(x for x in metrics.splitlines() if x.startswith("ffstate_staged_bytes{"))
         assert f'job="{JOB}"' in line and float(line.rsplit(" ", 1)[1]) == s.staged_bytes
@@ -295,4 +295,4 @@ def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, stat
         while c.inventory(JOB).shards and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not c.inventory(JOB).shards and c.inventory().bytes_used == before
-    assert f"discarded {JOB}/rank 0 of 1 version 1: pushed and not committed within 12s" in d.log()
+    assert f"discarded {JOB}/rank 0 of 1 version 1: pushed and not committed within 4s" in d.log()
