@@ -46,8 +46,11 @@ class Daemon:
     def terminate(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            return self.proc.wait(15)
-        return self.proc.returncode
+        try:  # its server's grace (5 s) and its threads' joins, on a loaded machine: then a SIGKILL
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
 
     def log(self) -> str:
         return self.log_path.read_text()
