@@ -233,15 +233,20 @@ def _metadata(records: list[dict]) -> tuple[Any, list]:
     return d.Metadata(state_dict_metadata=sd, planner_data=planner), list(results.values())
 
 
+def _version_dirs(job_dir: Path) -> list[tuple[int, Path]]:
+    """The version folders in ``job_dir`` (``v<step>``, complete or not), oldest first; none if it cannot be read."""
+    try:
+        entries = list(job_dir.iterdir())
+    except OSError:
+        return []
+    return sorted((int(d.name[1:]), d) for d in entries if d.name.startswith("v") and d.name[1:].isdigit())
+
+
 def drop_newer(job_dir: Path, version: int) -> list[Path]:
     """Removes every version folder past ``version`` (complete or not); returns them."""
     gone = []
-    try:
-        entries = sorted(job_dir.iterdir())
-    except OSError:
-        return []
-    for d in entries:
-        if d.name.startswith("v") and d.name[1:].isdigit() and int(d.name[1:]) > version:
+    for v, d in _version_dirs(job_dir):
+        if v > version:
             (d / COMPLETE).unlink(missing_ok=True)  # first: never complete while half removed
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
@@ -284,15 +289,7 @@ def reached(job_dir: Path) -> int:
 
 def complete_versions(job_dir: Path) -> list[int]:
     """The complete versions in ``job_dir``, oldest first."""
-    out = []
-    try:
-        entries = list(job_dir.iterdir())
-    except OSError:
-        return []
-    for d in entries:
-        if d.name.startswith("v") and d.name[1:].isdigit() and (d / COMPLETE).exists():
-            out.append(int(d.name[1:]))
-    return sorted(out)
+    return [v for v, d in _version_dirs(job_dir) if (d / COMPLETE).exists()]
 
 
 def prune(job_dir: Path, keep: int) -> list[Path]:
@@ -302,10 +299,7 @@ def prune(job_dir: Path, keep: int) -> list[Path]:
     if not done:
         return []
     gone = []
-    for d in sorted(job_dir.iterdir()):
-        if not (d.name.startswith("v") and d.name[1:].isdigit()):
-            continue
-        v = int(d.name[1:])
+    for v, d in _version_dirs(job_dir):
         if (v in done and v not in done[-keep:]) or (v not in done and v < done[-1]):
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)

@@ -28,11 +28,9 @@ def states():
     return list(train_states(3))
 
 
-@pytest.fixture
-def held(daemons, states):
-    """A daemon holding version 1 of rank 0 (world 1), a raw stub to it, and its memory in use."""
-    port = free_ports(1)
-    d = daemons.start("--metrics-port", str(port))
+def _holding(factory, states, *args, port=None):
+    """A daemon holding version 1 of rank 0 (world 1), a raw stub to it, its memory in use, its metrics port."""
+    d = factory.start(*args)
     with d.client() as c:
         c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
         used = c.inventory().bytes_used
@@ -41,16 +39,16 @@ def held(daemons, states):
     channel.close()
 
 
+@pytest.fixture
+def held(daemons, states):
+    port = free_ports(1)
+    yield from _holding(daemons, states, "--metrics-port", str(port), port=port)
+
+
 @pytest.fixture(scope="module")
 def shared_held(module_daemons, states):
     """``held``, one daemon for every case of a test whose cases each leave it as they found it (they check it)."""
-    d = module_daemons.start()
-    with d.client() as c:
-        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
-        used = c.inventory().bytes_used
-    channel = grpc.insecure_channel(d.address)
-    yield d, pb_grpc.ReplicaStub(channel), used, None
-    channel.close()
+    yield from _holding(module_daemons, states)
 
 
 def key(job=JOB):

@@ -32,26 +32,25 @@ def states():
     return list(train_states(3))
 
 
-@pytest.fixture
-def held(daemons, states):
+def _holding(factory, states):
     """A daemon holding version 1 of rank 0 (world 1), and a raw stub to it."""
-    d = daemons.start("--max-chunk-bytes", "256K")
+    d = factory.start("--max-chunk-bytes", "256K")
     with d.client() as c:
         c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
     channel = grpc.insecure_channel(d.address)
     yield d, pb_grpc.ReplicaStub(channel)
     channel.close()
+
+
+@pytest.fixture
+def held(daemons, states):
+    yield from _holding(daemons, states)
 
 
 @pytest.fixture(scope="module")
 def shared_held(module_daemons, states):
     """``held``, one daemon for every case of a test whose cases each leave it at version 1 (they check it)."""
-    d = module_daemons.start("--max-chunk-bytes", "256K")
-    with d.client() as c:
-        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
-    channel = grpc.insecure_channel(d.address)
-    yield d, pb_grpc.ReplicaStub(channel)
-    channel.close()
+    yield from _holding(module_daemons, states)
 
 
 def messages(packed, version, base_version=0, key=None, **override):
