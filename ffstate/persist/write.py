@@ -244,13 +244,14 @@ def _version_dirs(job_dir: Path) -> list[tuple[int, Path]]:
 
 def drop_newer(job_dir: Path, version: int) -> list[Path]:
     """Removes every version folder past ``version`` (complete or not); returns them."""
-    gone = []
-    for v, d in _version_dirs(job_dir):
-        if v > version:
-            (d / COMPLETE).unlink(missing_ok=True)  # first: never complete while half removed
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-    return gone
+    return [_remove(d) for v, d in _version_dirs(job_dir) if v > version]
+
+
+def _remove(vdir: Path) -> Path:
+    """Removes a version folder, its completion marker first: never complete while half removed."""
+    (vdir / COMPLETE).unlink(missing_ok=True)
+    shutil.rmtree(vdir, ignore_errors=True)
+    return vdir
 
 
 def remove_rank(vdir: Path, rank: int) -> None:
@@ -298,9 +299,5 @@ def prune(job_dir: Path, keep: int) -> list[Path]:
     done = complete_versions(job_dir)
     if not done:
         return []
-    gone = []
-    for v, d in _version_dirs(job_dir):
-        if (v in done and v not in done[-keep:]) or (v not in done and v < done[-1]):
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-    return gone
+    return [_remove(d) for v, d in _version_dirs(job_dir)
+            if (v in done and v not in done[-keep:]) or (v not in done and v < done[-1])]

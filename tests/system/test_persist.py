@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -46,7 +47,18 @@ def torchrun(out: Path, env: dict, *extra: str, steps: int = STEPS, ok: bool = T
 
 
 def new_machines(tmp: Path, job: str) -> None:
-    """What a relaunch on other machines finds: no daemon (they were SIGKILLed), nothing in /dev/shm, no run folder."""
+    """What a relaunch on other machines finds: no daemon (they were SIGKILLed), nothing in /dev/shm, no run folder.
+    A SIGKILLed daemon inside a write or an fsync dies when it returns: it is waited for, as the machines' loss."""
+    deadline = time.monotonic() + 30
+    for pid_file in (tmp / f"ffstate-{job}").glob("daemon-*.pid"):
+        status = Path(f"/proc/{pid_file.read_text().strip()}/status")
+        while time.monotonic() < deadline:
+            try:
+                if "\nState:\tZ" in status.read_text():  # dead, not yet reaped
+                    break
+            except OSError:  # gone
+                break
+            time.sleep(0.05)
     for p in Path("/dev/shm").glob(f"*{job}*"):
         p.unlink()
     shutil.rmtree(tmp / f"ffstate-{job}", ignore_errors=True)
