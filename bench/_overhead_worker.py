@@ -33,6 +33,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,16 @@ class AsyncSaver:
         if self.pending is not None:
             self.pending.result()
         dist.barrier()
+
+
+def _persisting(daemon: Any, done: Callable[[Any], Any], what: str, timeout: float = 120.0) -> Any:
+    """The daemon's persistent tier's report once ``done`` says so (at most ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not done(got := daemon.inventory("").persist):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"waited {timeout:.0f}s for {what}: {got}")
+        time.sleep(0.05)
+    return got
 
 
 def main() -> None:
@@ -175,6 +186,9 @@ def main() -> None:
                                           job_id=f"{os.environ.get('FFSTATE_JOB_ID', 'overhead')}-{mode}-{r}")
             res["steps_run"] += a.steps
             with ffstate.replicate(model, opt, config=cfg) as ff:
+                if mode == "persist":  # its daemon's flushing process ready (it imports DCP as the daemon starts)
+                    _persisting(ff.daemon, lambda p: p.flusher_pid, "the flushing process ready")
+                    dist.barrier()
                 for i in range(a.steps):
                     start = time.perf_counter()
                     parts = train_step()
@@ -194,7 +208,7 @@ def main() -> None:
                 res["lag_at_end"].append(end.version - end.replicated_version)
                 res["drain_seconds"].append(time.perf_counter() - start)
                 if mode == "persist" and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # its node's daemon's counts
-                    got = ff.daemon.inventory("").persist
+                    got = _persisting(ff.daemon, lambda p: not p.pending, "the copies written")
                     res["saved"], res["skipped"] = got.flushed, got.skipped  # since the daemons started
             res["wire_bytes"] += after.pushed_bytes - before.pushed_bytes
             res["wire_versions"] += after.pushed_versions - before.pushed_versions

@@ -31,16 +31,13 @@ def _tls_args(p: argparse.ArgumentParser) -> None:
 
 
 def nice_level(text: str) -> int | str:
-    """``--nice``: a niceness 0-19, or ``idle`` (the SCHED_IDLE policy)."""
-    if text == "idle":
-        return text
+    """``--nice``, ``--persist-nice``: a niceness 0-19, or ``idle`` (the SCHED_IDLE policy)."""
+    from ffstate.config import priority
+
     try:
-        n = int(text)
+        return priority(text)
     except ValueError:
-        n = -1
-    if not 0 <= n <= 19:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a niceness 0-19 nor 'idle'")
-    return n
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a niceness 0-19 nor 'idle'") from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -168,7 +165,9 @@ def cmd_status(args: argparse.Namespace) -> int:
             p = inv.persist
             print(f"{address} ({inv.node_id}): persistent tier {p.dir} every {p.every} steps: {p.flushed} ranks' "
                   f"versions flushed ({p.bytes / 1e6:.1f} MB, the newest in {p.seconds:.2f} s), {p.skipped} skipped, "
-                  f"{p.failed} failed; newest complete version {p.newest_complete or '-'}"
+                  f"{p.failed} failed, {p.pending} being written; newest complete version {p.newest_complete or '-'}; "
+                  f"flushing process {p.flusher_pid or 'starting'}"
+                  + (f" (started {p.flusher_starts} times: it died)" if p.flusher_starts > 1 else "")
                   + (f"; last error: {p.error}" if p.error else ""))
     return 1 if failed else 0
 
@@ -240,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "due while a flush still runs is skipped")
     p.add_argument("--persist-keep", type=int, default=DaemonConfig.persist_keep, metavar="N",
                    help=f"complete versions kept per job (default {DaemonConfig.persist_keep})")
+    p.add_argument("--persist-nice", type=nice_level, default=DaemonConfig.persist_nice, metavar="N|idle",
+                   help="the CPU priority of the daemon's flushing process: idle (SCHED_IDLE, default: it takes only "
+                        "the CPU nobody else wants, so a node whose cores are all busy skips more versions), or N "
+                        "(0-19) below the daemon's own")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("status", help="print what each daemon holds")

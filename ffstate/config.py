@@ -106,6 +106,9 @@ class Config:
         persist_every: a version is flushed every this many steps (its number a multiple of it); a flush still
             running when the next is due makes the daemon skip that one (counted and logged).
         persist_keep: complete versions kept per job; older ones, and torn ones, are removed.
+        persist_nice: the CPU priority of the daemon's flushing process: "idle" (SCHED_IDLE: only the CPU
+            nobody else wants; on a node whose cores are all busy more versions are skipped), or a niceness
+            0-19 below the daemon's own ("10": fresher versions, at some CPU taken from the training there).
     """
 
     chunk_bytes: int = 1 << 20
@@ -145,6 +148,7 @@ class Config:
     persist_dir: str = ""
     persist_every: int = 10
     persist_keep: int = 2
+    persist_nice: str = "idle"
 
     def __post_init__(self) -> None:
         check_hang(self)
@@ -229,6 +233,20 @@ def check_persist(cfg: "Config | DaemonConfig") -> None:
     """The persistent tier's knobs, refused at once when they cannot work."""
     if cfg.persist_every < 1 or cfg.persist_keep < 1:
         raise ValueError(f"persist_every and persist_keep must be >= 1, got {cfg.persist_every}, {cfg.persist_keep}")
+    priority(cfg.persist_nice, "persist_nice")
+
+
+def priority(value: int | str, what: str = "nice") -> int | str:
+    """A CPU priority setting: ``"idle"`` (SCHED_IDLE) or a niceness 0-19 (an int, or its digits)."""
+    if value == "idle":
+        return value
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if not 0 <= n <= 19:
+        raise ValueError(f"{what} must be a niceness 0-19 or 'idle', got {value!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -274,6 +292,7 @@ class DaemonConfig:
     persist_dir: Path | None = None
     persist_every: int = 10
     persist_keep: int = 2
+    persist_nice: int | str = "idle"  # the flushing process's CPU priority below the daemon's: a niceness, or "idle"
 
     def __post_init__(self) -> None:
         check_hang(self)

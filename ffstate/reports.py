@@ -117,6 +117,9 @@ class PersistReport:
     seconds: float = 0.0
     newest_complete: int = 0
     error: str = ""
+    pending: int = 0
+    flusher_pid: int = 0
+    flusher_starts: int = 0
 
 
 @dataclass

@@ -261,7 +261,7 @@ class InventoryResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[ShardInfo, _Mapping]]] = ..., bytes_used: _Optional[int] = ..., bytes_budget: _Optional[int] = ..., links: _Optional[_Iterable[_Union[LinkInfo, _Mapping]]] = ..., scheduler: _Optional[str] = ..., collectives: _Optional[int] = ..., collisions: _Optional[int] = ..., overlap_seconds: _Optional[float] = ..., persist: _Optional[_Union[PersistInfo, _Mapping]] = ...) -> None: ...
 
 class PersistInfo(_message.Message):
-    __slots__ = ("dir", "every", "flushed", "completed", "skipped", "failed", "bytes", "seconds", "newest_complete", "error")
+    __slots__ = ("dir", "every", "flushed", "completed", "skipped", "failed", "bytes", "seconds", "newest_complete", "error", "pending", "flusher_pid", "flusher_starts")
     DIR_FIELD_NUMBER: _ClassVar[int]
     EVERY_FIELD_NUMBER: _ClassVar[int]
     FLUSHED_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,9 @@ class PersistInfo(_message.Message):
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEWEST_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    FLUSHER_PID_FIELD_NUMBER: _ClassVar[int]
+    FLUSHER_STARTS_FIELD_NUMBER: _ClassVar[int]
     dir: str
     every: int
     flushed: int
@@ -282,7 +285,10 @@ class PersistInfo(_message.Message):
     seconds: float
     newest_complete: int
     error: str
-    def __init__(self, dir: _Optional[str] = ..., every: _Optional[int] = ..., flushed: _Optional[int] = ..., completed: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., newest_complete: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    pending: int
+    flusher_pid: int
+    flusher_starts: int
+    def __init__(self, dir: _Optional[str] = ..., every: _Optional[int] = ..., flushed: _Optional[int] = ..., completed: _Optional[int] = ..., skipped: _Optional[int] = ..., failed: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., newest_complete: _Optional[int] = ..., error: _Optional[str] = ..., pending: _Optional[int] = ..., flusher_pid: _Optional[int] = ..., flusher_starts: _Optional[int] = ...) -> None: ...
 
 class LinkInfo(_message.Message):
     __slots__ = ("holder", "estimate_bytes_per_second", "share", "waited_seconds", "deadline_overrides", "scheduler", "collisions", "overlap_seconds", "catch_ups", "rushes")

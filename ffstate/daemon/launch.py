@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from ffstate import placement
 from ffstate.client import Client
-from ffstate.config import Config, DaemonConfig, parse_bytes
+from ffstate.config import Config, DaemonConfig, parse_bytes, priority
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.job import Job
 
@@ -107,7 +107,7 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
         hang_multiple=cfg.hang_multiple, hang_floor=cfg.hang_floor, hang_ceiling=cfg.hang_ceiling,
         hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio,
         persist_dir=Path(cfg.persist_dir) if cfg.persist_dir else None, persist_every=cfg.persist_every,
-        persist_keep=cfg.persist_keep)
+        persist_keep=cfg.persist_keep, persist_nice=priority(cfg.persist_nice))
 
 
 def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:

@@ -154,7 +154,10 @@ class ReportCollector(Collector):
             complete = GaugeMetricFamily("ffstate_persist_complete_version", "The newest version this daemon made "
                                          "complete in the persistent tier", labels=["node"])
             complete.add_metric([node], rep.persist.newest_complete)
-            yield from (flushes, written, seconds, complete)
+            pending = GaugeMetricFamily("ffstate_persist_pending", "Ranks' versions copied and not yet written "
+                                        "(queued, or being written)", labels=["node"])
+            pending.add_metric([node], rep.persist.pending)
+            yield from (flushes, written, seconds, complete, pending)
         budget = GaugeMetricFamily("ffstate_memory_bytes", "Memory used and budget", labels=["node", "kind"])
         budget.add_metric([node, "used"], rep.bytes_used)
         budget.add_metric([node, "budget"], rep.bytes_budget)

@@ -72,7 +72,7 @@ class Node:
         # No retries inside a push: a holder that does not answer is marked down at once (a held commit stops
         # waiting for it, lag.py) and retried on the replicator's own backoff.
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, cfg.persist_keep, self.store.reserve,
-                                   self.store.release, cfg.node_id) if cfg.persist_dir else None
+                                   self.store.release, cfg.node_id, cfg.persist_nice) if cfg.persist_dir else None
         taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) \
             if self.persister is not None else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0, retries=0),
@@ -331,7 +331,7 @@ class Node:
         seen = {} if timeline is None else {"collectives": timeline.collectives, "collisions": timeline.collisions,
                                             "overlap_seconds": timeline.overlap}
         flushed = None if self.persister is None else PersistReport(
-            str(self.persister.root), self.persister.every, **dataclasses.asdict(self.persister.stats))
+            str(self.persister.root), self.persister.every, **dataclasses.asdict(self.persister.report()))
         return NodeReport(self.cfg.node_id, shards, self.store.used, self.store.budget, links, pacer.name, **seen,
                           persist=flushed, link_share=share, refusals=dict(self.refusals))
 

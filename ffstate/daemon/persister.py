@@ -3,19 +3,19 @@
 
 The replicator offers each version it takes from a rank's slots (``offer``, in its own thread, while the slot
 cannot change); a version whose step is a multiple of ``persist_every`` is copied once (the copy counted
-against the daemon's memory budget) and queued. One thread writes the queue: each rank's files, then the
-version made complete once every rank of the job has its record, then the old versions removed. One version
-is written at a time: a version offered while an older one is still being written is skipped, for every
-local rank alike (counted, logged), so that the disk sets the pace and never the training. Whatever the
-filesystem does (full, read-only, gone, slow) is logged, rate-limited, and counted; the daemon goes on and
-the training never sees it.
+against the daemon's memory budget) into an anonymous in-memory file and queued. One thread hands the queue
+to the daemon's flushing process (``flusher.py``: the writing is Python, and out of the daemon's interpreter
+it cannot hold up the replicator): each rank's files, then the version made complete once every rank of the
+job has its record, then the old versions removed. One version is written at a time: a version offered
+while an older one is still being written is skipped, for every local rank alike (counted, logged), so that
+the disk sets the pace and never the training. Whatever the filesystem does (full, read-only, gone, slow)
+is logged, rate-limited, and counted; the daemon goes on and the training never sees it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 from ffstate import persist
-from ffstate.errors import FFStateError, ReplicaError
+from ffstate.daemon.flusher import Copy, Flusher
+from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
 
@@ -49,23 +50,24 @@ class PersistStats:
     seconds: float = 0.0  # the newest flush of one rank's version: copy excluded, write and fsync included
     newest_complete: int = 0
     error: str = ""  # the newest failure
+    pending: int = 0  # ranks' versions copied and not yet written (queued, or being written)
+    flusher_pid: int = 0  # the flushing process, once ready (0: starting, or not running)
+    flusher_starts: int = 0  # times it was started (more than 1: it died, and was started again)
 
 
 @dataclass
 class _Job:
     key: ShardKey
     version: int
-    manifest: Manifest
-    data: torch.Tensor
+    copy: Copy
     checksum: int
-    keys: dict
 
 
 class Persister:
     """See the module docstring. ``reserve(n, what)`` / ``release(n)`` count the copies against the budget."""
 
     def __init__(self, root: Path, every: int, keep: int, reserve: Callable[[int, str], None],
-                 release: Callable[[int], None], node_id: str = "node"):
+                 release: Callable[[int], None], node_id: str = "node", nice: int | str = "idle"):
         self.root, self.every, self.keep, self.node_id = Path(root), every, keep, node_id
         self._reached: dict[str, int] = {}  # job -> the newest version taken (the replicator's threads write it)
         self._noted: dict[str, int] = {}  # job -> the version written to its reached file
@@ -76,6 +78,7 @@ class Persister:
         self._writing: tuple[str, int] | None = None  # (job, version) being written
         self._decided: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
         self._logged: dict[str, float] = {}
+        self._flusher = Flusher(nice)
         self._thread = threading.Thread(target=self._run, name="ffstate-persist", daemon=True)
         self._thread.start()
         log.info("persistent tier: %s, every %d steps, keeping %d complete versions", self.root, every, keep)
@@ -84,6 +87,12 @@ class Persister:
         """Finishes what is queued (at most ``wait`` seconds), then stops."""
         self._queue.put(None)
         self._thread.join(wait)
+        self._flusher.close()
+
+    def report(self) -> PersistStats:
+        """The stats, with the flushing process's pid and starts."""
+        self.stats.flusher_pid, self.stats.flusher_starts = self._flusher.pid, self._flusher.starts
+        return self.stats
 
     def offer(self, key: ShardKey, version: int, manifest: Manifest, data: torch.Tensor, checksum: int,
               keys: dict | None, unchanged: Callable[[], bool]) -> None:
@@ -103,12 +112,20 @@ class Persister:
             self.stats.skipped += 1
             self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
             return
-        copy = data.clone()
+        try:
+            copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
+        except OSError as e:  # no memory for an in-memory file
+            self.release(data.numel())
+            self.stats.skipped += 1
+            self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
+            return
         if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
-            self.release(copy.numel())
+            copy.close()
+            self.release(data.numel())
             self.stats.skipped += 1
             return
-        self._queue.put(_Job(key, version, manifest, copy, checksum, keys or {}))
+        self.stats.pending += 1
+        self._queue.put(_Job(key, version, copy, checksum))
 
     def _decide(self, job: str, version: int) -> bool:
         """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version
@@ -138,10 +155,10 @@ class Persister:
                     pass
 
     def _run(self) -> None:
-        try:  # torch.distributed.checkpoint's import (a second or more on a loaded node) before the first flush
-            persist.write.prepare()
-        except Exception:  # a broken install shows in the first flush, with its error
-            log.exception("importing torch.distributed.checkpoint failed")
+        try:  # it imports torch.distributed.checkpoint (a second or more on a loaded node) before the first flush
+            self._flusher.start()
+        except OSError:  # it is tried again at each flush, and fails each with its error
+            log.exception("starting the flushing process failed")
         while True:
             try:
                 job = self._queue.get(timeout=REACHED_EVERY)
@@ -159,44 +176,41 @@ class Persister:
                 self._failed("bug", f"{job.key}: flushing version {job.version} failed: {e!r}")
                 log.exception("flush of %s version %d", job.key, job.version)
             finally:
-                self.release(job.data.numel())
+                self.release(job.copy.nbytes)
+                job.copy.close()
+                self.stats.pending -= 1
                 with self._lock:
                     self._writing = None
             self._note_reached()
 
     def _flush(self, job: _Job) -> None:
-        key, start = job.key, time.perf_counter()
-        job_dir = self.root / key.job_id
-        vdir = persist.version_dir(job_dir, job.version)
+        key = job.key
         try:
-            items = persist.items_of(job.manifest, job.data, job.keys, key.rank, param_groups=key.rank == 0)
-            persist.write_rank(vdir, key.job_id, job.version, key.rank, key.world_size, job.manifest, job.checksum,
-                               items, str(job.keys.get("timeline", "")))
-        except (OSError, RuntimeError) as e:  # torch.save into a full disk says "unexpected pos": say why
-            why = _diagnose(vdir, job.data.numel(), e)
-            persist.remove_rank(vdir, key.rank)  # what it wrote of the version would fill the disk for the next
-            self._failed(type(e).__name__, f"{key}: flushing version {job.version} to {vdir} failed: {why}")
+            got = self._flusher.flush(job.copy, {
+                "job": key.job_id, "rank": key.rank, "world": key.world_size, "version": job.version,
+                "checksum": job.checksum, "job_dir": str(self.root / key.job_id), "keep": self.keep})
+        except OSError as e:  # the flushing process could not be started
+            self._failed("start", f"{key}: version {job.version} not flushed: the flushing process did not start: {e}")
             return
-        except FFStateError as e:
-            self._failed("keys", f"{key}: version {job.version} cannot be written: {e}")
+        if not got["ok"]:
+            if got.get("died"):  # what it wrote of the version is not a rank's files: removed, as a failed write's
+                persist.remove_rank(persist.version_dir(self.root / key.job_id, job.version), key.rank)
+            self._failed(got["kind"], f"{key}: {got['message']}")
             return
-        seconds = time.perf_counter() - start
         self.stats.flushed += 1
-        self.stats.bytes += job.data.numel()
-        self.stats.seconds = seconds
-        log.info("%s: version %d flushed to %s (%.1f MB in %.3fs)", key, job.version, vdir, job.data.numel() / 1e6,
-                 seconds)
-        try:
-            if persist.finalize(vdir, key.world_size):
-                if job.version > self.stats.newest_complete:
-                    self.stats.newest_complete = job.version
-                    self.stats.completed += 1
-                    log.info("job %s: version %d is complete in %s", key.job_id, job.version, vdir)
-                for gone in persist.prune(job_dir, self.keep):
-                    log.info("job %s: removed %s (keeping the newest %d complete versions)", key.job_id, gone,
-                             self.keep)
-        except OSError as e:
-            self._failed(type(e).__name__, f"job {key.job_id}: completing version {job.version} failed: {e}")
+        self.stats.bytes += job.copy.nbytes
+        self.stats.seconds = got["seconds"]
+        log.info("%s: version %d flushed to %s (%.1f MB in %.3fs)", key, job.version, got["vdir"],
+                 job.copy.nbytes / 1e6, got["seconds"])
+        if "complete_error" in got:
+            self._failed(got["complete_kind"], f"job {key.job_id}: {got['complete_error']}")
+        elif got.get("complete"):
+            if job.version > self.stats.newest_complete:
+                self.stats.newest_complete = job.version
+                self.stats.completed += 1
+                log.info("job %s: version %d is complete in %s", key.job_id, job.version, got["vdir"])
+            for gone in got.get("pruned", []):
+                log.info("job %s: removed %s (keeping the newest %d complete versions)", key.job_id, gone, self.keep)
 
     def _failed(self, kind: str, message: str, count: bool = True) -> None:
         if count:
@@ -206,20 +220,3 @@ class Persister:
         if now - self._logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
             self._logged[kind] = now
             log.error("%s (training goes on; such failures logged at most every %.0fs)", message, ERROR_LOG_EVERY)
-
-
-def _diagnose(path: Path, need: int, error: BaseException) -> str:
-    """``error``, and what the filesystem under ``path`` says of it: read-only, or fuller than ``need`` bytes."""
-    where = path
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    try:
-        st = os.statvfs(where)
-    except OSError:
-        return str(error)
-    if st.f_flag & os.ST_RDONLY:
-        return f"{error} (the filesystem at {where} is read-only)"
-    free = st.f_bavail * st.f_frsize
-    if free < need:
-        return f"{error} (no space left on device: {free} bytes free at {where}, the version takes {need})"
-    return str(error)

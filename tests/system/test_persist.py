@@ -33,8 +33,10 @@ def env_for(tmp: Path, job: str, persist_dir: Path | None = None) -> dict:
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",
            "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(2)),
            "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)}
-    if persist_dir is not None:
-        env.update(FFSTATE_PERSIST_DIR=str(persist_dir), FFSTATE_PERSIST_EVERY="2", FFSTATE_PERSIST_KEEP="3")
+    if persist_dir is not None:  # the flushing process at the daemon's priority (not idle): on a machine whose
+        # cores the test suite keeps busy, the idle one would get too little CPU to flush the versions tested here
+        env.update(FFSTATE_PERSIST_DIR=str(persist_dir), FFSTATE_PERSIST_EVERY="2", FFSTATE_PERSIST_KEEP="3",
+                   FFSTATE_PERSIST_NICE="0")
     return env
 
 

@@ -5,6 +5,7 @@ complete reads back bit for bit. The disks are small tmpfs mounts (root only).""
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,9 @@ from helpers import assert_bitwise_equal
 
 pytestmark = pytest.mark.timeout(300)
 WRITER = Path(__file__).resolve().parents[1] / "procs" / "writer.py"
+# The flushing process at the daemon's priority, not idle: the test suite keeps this machine's cores busy, and an
+# idle one would flush too little here (its default priority is checked on its own below)
+BUSY = ("--persist-nice", "0")
 
 
 @pytest.fixture
@@ -48,7 +52,7 @@ def flushes(daemon):
 
 
 def test_a_full_disk_then_a_read_only_one_are_counted_and_logged_and_training_goes_on(daemons, small_disk, tmp_path):
-    d = daemons.start("--persist-dir", str(small_disk), "--persist-every", "1")
+    d = daemons.start("--persist-dir", str(small_disk), "--persist-every", "1", *BUSY)
     write(d, "full", 3, tmp_path)  # a TinyGPT training state is ~1.8 MB: no version fits in 256 KiB
     wait_until(lambda: flushes(d).failed >= 1, what="a failed flush")
     got = flushes(d)
@@ -67,7 +71,7 @@ def test_a_full_disk_then_a_read_only_one_are_counted_and_logged_and_training_go
 
 def test_a_removed_directory_is_made_again_and_flushing_resumes_bit_exact(daemons, tmp_path):
     store = tmp_path / "store"
-    d = daemons.start("--persist-dir", str(store), "--persist-every", "1", "--persist-keep", "2")
+    d = daemons.start("--persist-dir", str(store), "--persist-every", "1", "--persist-keep", "2", *BUSY)
 
     def settled(n: int) -> list[int]:  # every version offered was flushed or skipped (a flush still running: skipped)
         got = flushes(d)  # ">=": the writer's restart at version 4 commits 4 again, and it is offered again
@@ -85,3 +89,56 @@ def test_a_removed_directory_is_made_again_and_flushing_resumes_bit_exact(daemon
     persist.check(vdir, [0])
     got, _ = persist.read_shard(vdir, 0)
     assert_bitwise_equal(got, states[done[-1] - 1])
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] in "ZX"
+    except OSError:
+        return True
+
+
+def test_the_flushing_process_killed_mid_flush_is_counted_and_started_again_and_dies_with_its_daemon(daemons, tmp_path):
+    """The daemon writes through a child process: SIGKILLed mid-flush (stopped first, so that the flush is surely in
+    it), the flush counts as failed with the reason, the next one starts a new child, and what it writes reads back
+    bit for bit; SIGKILLing the daemon ends its child too."""
+    store = tmp_path / "store"
+    d = daemons.start("--persist-dir", str(store), "--persist-every", "1", *BUSY)
+    child = wait_until(lambda: flushes(d).flusher_pid, timeout=120, what="the flushing process ready")
+    assert int(Path(f"/proc/{child}/stat").read_text().split(")")[-1].split()[1]) == d.proc.pid
+    os.kill(child, signal.SIGSTOP)
+    write(d, "died", 3, tmp_path)
+    wait_until(lambda: flushes(d).pending == 1, what="version 1 handed to the stopped flushing process")
+    os.kill(child, signal.SIGKILL)
+    wait_until(lambda: flushes(d).failed == 1, what="the flush counted as failed")
+    assert f"flushing process (pid {child}) died while writing: killed by signal 9" in flushes(d).error
+    assert not persist.complete_versions(store / "died")
+
+    states = write(d, "died", 6, tmp_path, start=3)
+    got = wait_until(lambda: (p := flushes(d)).flushed and not p.pending and p.flusher_pid and p, timeout=120,
+                     what="a version flushed by a new flushing process")
+    assert got.flusher_pid != child and got.flusher_starts == 2 and got.failed == 1, got
+    done = persist.complete_versions(store / "died")
+    assert done and done[-1] >= 4, done
+    persist.check(persist.version_dir(store / "died", done[-1]), [0])
+    shard, _ = persist.read_shard(persist.version_dir(store / "died", done[-1]), 0)
+    assert_bitwise_equal(shard, states[done[-1] - 1])
+
+    d.kill()
+    wait_until(lambda: _gone(got.flusher_pid), what="the flushing process gone with its daemon")
+    daemons.restart(d)  # the node's next daemon removes the slots the killed one left
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+def test_the_flushing_process_runs_at_the_idle_priority_by_default_or_at_the_niceness_asked(daemons, tmp_path):
+    idle = daemons.start("--persist-dir", str(tmp_path / "a"))
+    nice = daemons.start("--persist-dir", str(tmp_path / "b"), "--persist-nice", "7")
+    want = [(idle, os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, idle.proc.pid)),
+            (nice, os.SCHED_OTHER, 7 + os.getpriority(os.PRIO_PROCESS, nice.proc.pid))]
+    for d, policy, niceness in want:  # set by the daemon as it starts it, before the child's own imports
+        child = wait_until(lambda: _children(d.proc.pid), what="the flushing process started")[0]
+        wait_until(lambda: (os.sched_getscheduler(child), os.getpriority(os.PRIO_PROCESS, child)) == (policy, niceness),
+                   timeout=10, what=f"the flushing process of {d.node_id} at policy {policy}, niceness {niceness}")
