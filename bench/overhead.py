@@ -36,7 +36,7 @@ Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
 Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2,manual] [--modes off,naive,scheduler,razor-off]
 [--link loopback,200mbit] [--steps 10] [--repeats 3] [--size small] [--batch 8] [--link-share 0.5]
-[--daemon-nice 19|idle] [--measure-link] [--ranks-per-node 2] [--pin 0:1]``.
+[--daemon-nice 19|idle] [--persist-nice idle|N] [--measure-link] [--ranks-per-node 2] [--pin 0:1]``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def _schedulers(modes: list[str]) -> list[str]:
 
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
             link: "netns.Link | None" = None, per_node: int = 2, batch: int = 8, share: float = 0.5,
-            nice: int | str = 19, measure_link: bool = False, pin: tuple[str, str] | None = None) -> list[dict]:
+            nice: int | str = 19, measure_link: bool = False, pin: tuple[str, str] | None = None,
+            persist_nice: int | str = "idle") -> list[dict]:
     """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases;
     the daemons of each scheduler policy on their own ports. On loopback the nodes are simulated; on a
     link, each is a namespace."""
@@ -92,7 +93,8 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
             flags = ["--node-id", f"node{n}", "--scheduler", scheduler.split("+")[0], "--memory-limit", "4G",
                      "--link-share", str(share), "--nice", str(nice)]
             if scheduler.endswith("+persist"):  # every version flushed, as often as the disk allows
-                flags += ["--persist-dir", str(work / f"persist-{tag}"), "--persist-every", "1"]
+                flags += ["--persist-dir", str(work / f"persist-{tag}"), "--persist-every", "1", "--persist-nice",
+                          str(persist_nice)]
             if scheduler.endswith("+nowatch"):  # no watchdog (the others watch their ranks, the default)
                 flags += ["--hang-action", "off"]
             if link is not None and not measure_link:  # the NIC's rate, as an operator would set it
@@ -217,10 +219,11 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
 
 def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
         out_dir: Path, per_node: int = 2, batch: int = 8, share: float = 0.5, nice: int | str = 19,
-        measure_link: bool = False, pin: tuple[str, str] | None = None) -> dict:
+        measure_link: bool = False, pin: tuple[str, str] | None = None, persist_nice: int | str = "idle") -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
                          "size": size, "batch": batch, "link_share": share, "daemon_nice": nice,
+                         "persist_nice": persist_nice,
                          "link_bandwidth": "measured" if measure_link else "given", "ranks": NODES * per_node,
                          "pin": ":".join(pin) if pin else None,
                          "nodes": NODES, "replicas": 1, "links": links},
@@ -228,7 +231,8 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
     with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
         for where in links:
             for parallel in parallels:
-                opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin)
+                opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin,
+                            persist_nice=persist_nice)
                 if where == "loopback":
                     ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), None, **opts)
                 else:
@@ -262,6 +266,7 @@ def report(result: dict) -> str:
     head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
             f"k={cfg['replicas']}, link share {cfg.get('link_share', 0.5)}, link bandwidth "
             f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}"
+            f"{', flushing at ' + str(cfg.get('persist_nice', 'idle')) if 'persist' in cfg['modes'] else ''}"
             f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired",
@@ -320,6 +325,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--daemon-nice", type=nice_level, default=19, metavar="N|idle",
                    help="the daemons' --nice (default 19: the training has the cores first, as on a GPU node "
                         "where the daemon's work does not compete with the GPU's; idle: SCHED_IDLE)")
+    p.add_argument("--persist-nice", type=nice_level, default="idle", metavar="idle|N",
+                   help="the persist mode's daemons' --persist-nice: their flushing processes' priority (default "
+                        "idle, the daemon's default)")
     p.add_argument("--measure-link", action="store_true",
                    help="let the daemons measure a shaped link instead of telling them its rate")
     p.add_argument("--ranks-per-node", type=int, choices=(1, 2), default=2,
@@ -353,7 +361,7 @@ def main(args: argparse.Namespace) -> int:
         if shutil.which("taskset") is None:
             raise SystemExit("--pin needs taskset (util-linux) to pin the daemons")
     run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node, args.batch,
-        args.link_share, args.daemon_nice, args.measure_link, pin)
+        args.link_share, args.daemon_nice, args.measure_link, pin, args.persist_nice)
     return 0
 
 

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,6 +37,7 @@ log = logging.getLogger("ffstate.daemon.flusher")
 REPLY_BYTES = 64 << 10  # an answer's bound: its message is cut at MESSAGE characters, its paths at PATHS
 HEADER_BYTES = 4 << 10  # a flush's header (its layout and key map ride in the copy's file)
 MESSAGE, PATHS = 1024, 8
+TICK = 0.1  # seconds between the persister's other duties while it waits on the child (the newest step taken)
 
 
 class Copy:
@@ -79,17 +80,15 @@ class Flusher:
         """The child's pid once it is ready (0: starting, or not running)."""
         return self._proc.pid if self.ready and self._proc is not None and self._proc.poll() is None else 0
 
-    def start(self) -> None:
-        """Starts the child if it is not running, and waits until it is ready (it imports DCP: a second or more)."""
+    def start(self, idle: Callable[[], None] = lambda: None) -> None:
+        """Starts the child if it is not running, and waits until it is ready (it imports torch and DCP: seconds
+        of CPU), calling ``idle`` every ``TICK`` seconds meanwhile. Raises OSError if it ended instead."""
         if self._proc is not None and self._proc.poll() is None and self.ready:
             return
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is None or self._proc.poll() is not None or self._sock is None:
             self._spawn()
         assert self._sock is not None and self._proc is not None
-        try:
-            said = self._sock.recv(REPLY_BYTES)
-        except OSError:
-            said = b""
+        said = self._recv(idle)
         if not said:
             code = self._proc.wait()
             self._close_sock()
@@ -97,6 +96,23 @@ class Flusher:
                           "error is in the daemon's log")
         self.ready = True
         log.info("flushing process %d ready (%s)", self._proc.pid, json.loads(said).get("ready", ""))
+
+    def _recv(self, idle: Callable[[], None]) -> bytes:
+        """The child's next message, ``idle`` called every ``TICK`` seconds until it comes; b"": the child is gone."""
+        assert self._sock is not None
+        self._sock.settimeout(TICK)
+        while True:
+            try:
+                return self._sock.recv(REPLY_BYTES)
+            except TimeoutError:
+                idle()
+            except OSError:
+                return b""
+
+    def spawn(self) -> None:
+        """Starts the child without waiting for it (the daemon does at its own start)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._spawn()
 
     def _spawn(self) -> None:
         self._close_sock()
@@ -122,15 +138,16 @@ class Flusher:
         except OSError as e:  # it exited already (its error is in the log), or a policy forbids it
             log.warning("the flushing process %d keeps the daemon's CPU priority: %s", self._proc.pid, e)
 
-    def flush(self, copy: Copy, header: dict) -> dict:
+    def flush(self, copy: Copy, header: dict, idle: Callable[[], None] = lambda: None) -> dict:
         """Writes ``copy`` as ``header`` says; returns the child's answer (``ok``, and ``seconds``, ``complete``,
-        ``pruned``; or ``kind`` and ``message``)."""
-        self.start()
+        ``pruned``; or ``kind`` and ``message``). ``idle`` is called every ``TICK`` seconds while it waits."""
+        self.start(idle)
         assert self._sock is not None and self._proc is not None
         raw = json.dumps({**header, "nbytes": copy.nbytes, "meta_bytes": copy.meta_bytes}).encode()
         try:
+            self._sock.settimeout(None)
             socket.send_fds(self._sock, [raw], [copy.fd])
-            answer = self._sock.recv(REPLY_BYTES)
+            answer = self._recv(idle)
         except OSError:
             answer = b""
         if answer:
@@ -143,6 +160,12 @@ class Flusher:
         self._close_sock()
         return {"ok": False, "kind": "died", "message": f"the flushing process (pid {self._proc.pid}) died while "
                                                          f"writing: {_why(code)}", "died": True}
+
+    def stop_starting(self) -> None:
+        """Kills the child if it is still starting (it has nothing to finish): the daemon is stopping."""
+        proc = self._proc
+        if proc is not None and not self.ready and proc.poll() is None:
+            proc.kill()
 
     def close(self, wait: float = 10.0) -> None:
         """Closes the socket (the child ends when its flush is done); kills it after ``wait`` seconds."""

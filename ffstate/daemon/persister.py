@@ -79,12 +79,16 @@ class Persister:
         self._decided: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
         self._logged: dict[str, float] = {}
         self._flusher = Flusher(nice)
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="ffstate-persist", daemon=True)
         self._thread.start()
         log.info("persistent tier: %s, every %d steps, keeping %d complete versions", self.root, every, keep)
 
     def close(self, wait: float = 30.0) -> None:
-        """Finishes what is queued (at most ``wait`` seconds), then stops."""
+        """Finishes what is queued (at most ``wait`` seconds; nothing if the flushing process is still starting),
+        then stops."""
+        self._closing = True
+        self._flusher.stop_starting()
         self._queue.put(None)
         self._thread.join(wait)
         self._flusher.close()
@@ -97,7 +101,7 @@ class Persister:
     def offer(self, key: ShardKey, version: int, manifest: Manifest, data: torch.Tensor, checksum: int,
               keys: dict | None, unchanged: Callable[[], bool]) -> None:
         """A version the replicator took from ``key``'s slot: ``data`` its bytes, valid while ``unchanged()``."""
-        if version > self._reached.get(key.job_id, 0):  # written by the thread within REACHED_EVERY, unless it flushes
+        if version > self._reached.get(key.job_id, 0):  # written by the thread within REACHED_EVERY
             self._reached[key.job_id] = version
         if version % self.every:
             return
@@ -155,10 +159,11 @@ class Persister:
                     pass
 
     def _run(self) -> None:
-        try:  # it imports torch.distributed.checkpoint (a second or more on a loaded node) before the first flush
-            self._flusher.start()
-        except OSError:  # it is tried again at each flush, and fails each with its error
-            log.exception("starting the flushing process failed")
+        try:  # it imports torch and torch.distributed.checkpoint (seconds of CPU) while the job starts
+            self._flusher.start(idle=self._note_reached)
+        except OSError as e:  # it is tried again at each flush, and fails each with its error
+            if not self._closing:
+                self._failed("start", f"the flushing process did not start: {e}", count=False)
         while True:
             try:
                 job = self._queue.get(timeout=REACHED_EVERY)
@@ -185,10 +190,14 @@ class Persister:
 
     def _flush(self, job: _Job) -> None:
         key = job.key
+        if self._closing and not self._flusher.ready:  # the daemon stops before its flushing process was ready
+            self.stats.skipped += 1
+            return
         try:
             got = self._flusher.flush(job.copy, {
                 "job": key.job_id, "rank": key.rank, "world": key.world_size, "version": job.version,
-                "checksum": job.checksum, "job_dir": str(self.root / key.job_id), "keep": self.keep})
+                "checksum": job.checksum, "job_dir": str(self.root / key.job_id), "keep": self.keep},
+                idle=self._note_reached)
         except OSError as e:  # the flushing process could not be started
             self._failed("start", f"{key}: version {job.version} not flushed: the flushing process did not start: {e}")
             return
