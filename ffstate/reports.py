@@ -103,6 +103,9 @@ class LinkReport:
     rushes: int = 0
 
 
+NO_FLUSHER = "the flushing process did not start"  # PersistReport.error when the daemon could not start it
+
+
 @dataclass
 class PersistReport:
     """PersistInfo: the daemon's flushes to the persistent tier (``daemon/persister.py``)."""

@@ -31,13 +31,12 @@ from ffstate.lag import LagWatch
 from ffstate.pacing import PacingSignals
 from ffstate.persist import keys as persist_keys
 from ffstate.razor_verify import RazorVerifier
-from ffstate.reports import NodeReport, Stats
+from ffstate.reports import NO_FLUSHER, NodeReport, Stats
 
 log = logging.getLogger("ffstate.trainer")
 
 SLOT_WAIT = 2.0  # seconds a block-policy commit waits for the daemon to read the slot it overwrites
 FLUSHER_WAIT = 60.0  # seconds a node's first rank waits, at entry, for its daemon's flushing process to be ready
-NO_FLUSHER = "the flushing process did not start"  # the daemon's error when it could not (daemon/persister.py)
 
 
 def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,

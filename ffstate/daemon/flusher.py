@@ -109,11 +109,6 @@ class Flusher:
             except OSError:
                 return b""
 
-    def spawn(self) -> None:
-        """Starts the child without waiting for it (the daemon does at its own start)."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._spawn()
-
     def _spawn(self) -> None:
         self._close_sock()
         self.ready = False

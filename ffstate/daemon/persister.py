@@ -30,6 +30,7 @@ from ffstate.daemon.flusher import Copy, Flusher
 from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
+from ffstate.reports import NO_FLUSHER
 
 log = logging.getLogger("ffstate.daemon.persist")
 
@@ -94,7 +95,8 @@ class Persister:
         self._flusher.close()
 
     def report(self) -> PersistStats:
-        """The stats, with the flushing process's pid and starts."""
+        """The stats, with the copies not yet written and the flushing process's pid and starts."""
+        self.stats.pending = self._queue.unfinished_tasks  # put, and not yet done: queued or being written
         self.stats.flusher_pid, self.stats.flusher_starts = self._flusher.pid, self._flusher.starts
         return self.stats
 
@@ -128,7 +130,6 @@ class Persister:
             self.release(data.numel())
             self.stats.skipped += 1
             return
-        self.stats.pending += 1
         self._queue.put(_Job(key, version, copy, checksum))
 
     def _decide(self, job: str, version: int) -> bool:
@@ -163,7 +164,7 @@ class Persister:
             self._flusher.start(idle=self._note_reached)
         except OSError as e:  # it is tried again at each flush, and fails each with its error
             if not self._closing:
-                self._failed("start", f"the flushing process did not start: {e}", count=False)
+                self._failed("start", f"{NO_FLUSHER}: {e}", count=False)
         while True:
             try:
                 job = self._queue.get(timeout=REACHED_EVERY)
@@ -183,7 +184,7 @@ class Persister:
             finally:
                 self.release(job.copy.nbytes)
                 job.copy.close()
-                self.stats.pending -= 1
+                self._queue.task_done()  # what `pending` counts
                 with self._lock:
                     self._writing = None
             self._note_reached()
@@ -199,7 +200,7 @@ class Persister:
                 "checksum": job.checksum, "job_dir": str(self.root / key.job_id), "keep": self.keep},
                 idle=self._note_reached)
         except OSError as e:  # the flushing process could not be started
-            self._failed("start", f"{key}: version {job.version} not flushed: the flushing process did not start: {e}")
+            self._failed("start", f"{key}: version {job.version} not flushed: {NO_FLUSHER}: {e}")
             return
         if not got["ok"]:
             if got.get("died"):  # what it wrote of the version is not a rank's files: removed, as a failed write's
