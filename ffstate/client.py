@@ -44,6 +44,10 @@ class Tls:
 RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 1000
 
 
+# The retries' jitter has a generator of its own: the global one is the training's (its state is captured and
+# restored with every commit; a retry on one rank would make its stream differ from the others').
+_JITTER = random.Random()
+
 class Client:
     """One daemon's client. Thread-safe; ``close()`` (or ``with``) releases the channel."""
 
@@ -116,7 +120,7 @@ class Client:
                 detail = e.details() if hasattr(e, "details") else str(e)
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     if attempt < self.retries:
-                        time.sleep(delay * (1 + random.random()))
+                        time.sleep(delay * (1 + _JITTER.random()))
                         delay = min(delay * 2, 2.0)
                         continue
                     raise ReplicaUnavailable(f"{what} at {self.address}: {code.name} after {attempt + 1} tries: "
