@@ -9,7 +9,7 @@ files, the version made complete, retention), ``read`` (checking and reading a v
 from ffstate.persist.items import Item, boxes, check_keys, items_of
 from ffstate.persist.read import PersistError, check, read_shard
 from ffstate.persist.write import (COMPLETE, complete_versions, drop_newer, finalize, note_reached, prune, reached,
-                                   remove_rank, version_dir, write_rank)
+                                   remove_rank, version_dir, worlds, write_rank)
 
 __all__ = ["COMPLETE", "Item", "PersistError", "boxes", "check", "check_keys", "complete_versions", "drop_newer", "finalize",
-           "items_of", "note_reached", "prune", "reached", "read_shard", "remove_rank", "version_dir", "write_rank"]
+           "items_of", "note_reached", "prune", "reached", "read_shard", "remove_rank", "version_dir", "worlds", "write_rank"]

@@ -86,6 +86,32 @@ def _saved(value: Any) -> bytes:
     return buf.getvalue()
 
 
+def keyed(path: str, tensor: torch.Tensor, names: dict, plan: razor.Plan | None, pieces: list) -> list[tuple]:
+    """Where one tensor of a rank's captured state goes in a DCP checkpoint: (key, chunk, global size, offsets,
+    first byte of the chunk in ``tensor``) for each chunk, or [] where the key map names no key for it (its bytes
+    then go into the rank's own entry). ``path`` is the tensor's path in the captured state (``layout.flatten``);
+    ``plan`` and ``pieces`` (this rank's part of it) the razor's, if the state was split.
+
+    Raises:
+        FFStateError: a razor part of an entry the key map does not name.
+    """
+    if plan is not None and path.startswith("razor/part/"):  # a run of a redundant tensor's elements
+        i, s, e = pieces[int(path.rsplit("/", 1)[1])]
+        key = names.get(plan.paths[i])
+        if key is None:
+            raise FFStateError(f"the key map names no key for the redundant entry {plan.paths[i]!r}")
+        flat = tensor.reshape(-1)
+        return [(key[0], flat[first - s: first - s + math.prod(sizes)].view(sizes), tuple(plan.shapes[i]), offsets,
+                 (first - s) * tensor.element_size()) for offsets, sizes, first in boxes(plan.shapes[i], s, e)]
+    key = names.get(path[4:] if plan is not None and path.startswith("own/") else path)
+    if key is None:
+        return []
+    fqn, global_size, offset = key
+    shape = tuple(tensor.shape)
+    return [(fqn, tensor, tuple(global_size) if global_size is not None else shape,
+             tuple(offset) if offset is not None else (0,) * len(shape), 0)]
+
+
 def items_of(manifest: Manifest, buffer: torch.Tensor, keys: dict, rank: int, param_groups: bool) -> list[Item]:
     """The DCP items of one rank's version (``buffer``: its bytes, ``manifest``: with the version's scalars);
     ``keys``: the worker's key map (``keys.py``); ``param_groups``: write ``optim.param_groups`` (one rank does).
@@ -101,28 +127,11 @@ def items_of(manifest: Manifest, buffer: torch.Tensor, keys: dict, rank: int, pa
     rest: list[int] = []
     for n, spec in enumerate(manifest.tensors):
         data = buffer[spec.offset: spec.offset + spec.nbytes]
-        path = spec.name[4:] if plan is not None and spec.name.startswith("own/") else spec.name
-        if plan is not None and spec.name.startswith("razor/part/"):  # a run of a redundant tensor's elements
-            i, s, e = pieces[int(spec.name.rsplit("/", 1)[1])]
-            key = names.get(plan.paths[i])
-            if key is None:
-                raise FFStateError(f"the key map names no key for the redundant entry {plan.paths[i]!r}")
-            dtype = layout.DTYPES[plan.dtypes[i]]
-            flat = data.view(dtype)
-            for offsets, sizes, first in boxes(plan.shapes[i], s, e):
-                count = math.prod(sizes)
-                items.append(Item(key[0], flat[first - s: first - s + count].view(sizes), tuple(plan.shapes[i]),
-                                  offsets, n, (first - s) * dtype.itemsize, path=_path(key[0])))
-            continue
-        key = names.get(path)
-        if key is None or spec.kind == "ndarray":
+        chunks = [] if spec.kind == "ndarray" else \
+            keyed(spec.name, data.view(layout.DTYPES[spec.dtype]).view(spec.shape), names, plan, pieces)
+        if not chunks:
             rest.append(n)
-            continue
-        fqn, global_size, offset = key
-        shape = tuple(spec.shape)
-        items.append(Item(fqn, data.view(layout.DTYPES[spec.dtype]).view(shape),
-                          tuple(global_size) if global_size is not None else shape,
-                          tuple(offset) if offset is not None else (0,) * len(shape), n, 0, path=_path(fqn)))
+        items += [Item(fqn, chunk, size, offsets, n, start, path=_path(fqn)) for fqn, chunk, size, offsets, start in chunks]
     blob = torch.cat([buffer[s.offset: s.offset + s.nbytes] for s in (manifest.tensors[n] for n in rest)]) \
         if rest else torch.empty(0, dtype=torch.uint8)
     items.append(Item(f"ffstate.rank{rank}.rest", blob, (blob.numel(),), (0,), rest=rest,

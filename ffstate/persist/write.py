@@ -288,9 +288,31 @@ def reached(job_dir: Path) -> int:
     return out
 
 
-def complete_versions(job_dir: Path) -> list[int]:
-    """The complete versions in ``job_dir``, oldest first."""
-    return [v for v, d in _version_dirs(job_dir) if (d / COMPLETE).exists()]
+def complete_versions(job_dir: Path, world: int | None = None) -> list[int]:
+    """The complete versions in ``job_dir``, oldest first; with ``world``, only those made at that world size (a job
+    that shrank or grew has versions of both shapes)."""
+    if world is None:
+        return [v for v, d in _version_dirs(job_dir) if (d / COMPLETE).exists()]
+    return [v for v, w in _complete_worlds(job_dir) if w == world]
+
+
+def worlds(job_dir: Path) -> dict[int, int]:
+    """The newest complete version per world size it was made at."""
+    out: dict[int, int] = {}
+    for v, w in _complete_worlds(job_dir):
+        out[w] = max(out.get(w, 0), v)
+    return out
+
+
+def _complete_worlds(job_dir: Path) -> list[tuple[int, int]]:
+    """(version, world size) of each complete version, oldest first; an unreadable marker counts as incomplete."""
+    out = []
+    for v, d in _version_dirs(job_dir):
+        try:
+            out.append((v, int(json.loads((d / COMPLETE).read_text())["world"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def prune(job_dir: Path, keep: int) -> list[Path]:
