@@ -94,6 +94,7 @@ class Client:
         self._attach, self._lookup, self._notify = self._rpc["Attach"], self._rpc["Lookup"], self._rpc["NotifyCommit"]
         self._push, self._commit, self._fetch = self._rpc["Push"], self._rpc["Commit"], self._rpc["Fetch"]
         self._inventory, self._step_back, self._drop = self._rpc["Inventory"], self._rpc["StepBack"], self._rpc["Drop"]
+        self._drain = self._rpc["Drain"]
 
     def __enter__(self) -> "Client":
         return self
@@ -226,10 +227,16 @@ class Client:
         req = pb.StepBackRequest(shard=shard(job_id, rank, world_size), version=version)
         return self._call(f"step back of {job_id}/{rank} to {version}", lambda: self._step_back(req, **self._kw()))
 
-    def drop(self, job_id: str, rank: int = -1, world_size: int = 1) -> int:
-        """Drops one shard, or with ``rank=-1`` every shard of the job (and its slots)."""
+    def drop(self, job_id: str, rank: int = -1, world_size: int = 0) -> int:
+        """Drops one shard, or with ``rank=-1`` every shard of the job (and its slots); ``world_size`` > 0: only the
+        shards made at that world size."""
         req = pb.DropRequest(shard=pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size))
         return self._call(f"drop of {job_id}", lambda: self._drop(req, **self._kw())).dropped
+
+    def drain(self, job_id: str = "", leave: bool = True, cancel: bool = False, query: bool = False) -> pb.DrainResult:
+        """Drains this daemon's node out of a job, cancels a drain, or (``query``) reports one (``daemon/drain.py``)."""
+        req = pb.DrainRequest(job_id=job_id, leave=leave, cancel=cancel, query=query)
+        return self._call(f"drain of {job_id or 'the job'}", lambda: self._drain(req, **self._kw()))
 
 
 def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int) -> Packed:

@@ -118,6 +118,16 @@ def route_address(host: str, port: int) -> str | None:
         return None
 
 
+def is_local(host: str) -> bool:
+    """Whether ``host`` is an address of this machine (it can be bound here)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback

@@ -35,6 +35,7 @@ class RestoreReport:
     steps_lost: int = 0
     seconds: float = 0.0  # fetch and load
     entry_seconds: float = 0.0  # from the process's entry
+    from_world_size: int = 0  # the world size its copies were made at: a resize (0: the rank's own)
 
 
 @dataclass
@@ -141,6 +142,30 @@ class NodeReport:
     persist: PersistReport | None = None  # None: no persistent tier
     link_share: float = field(default=1.0, metadata=LOCAL)  # share of each link replication may use
     refusals: dict[str, int] = field(default_factory=dict, metadata=LOCAL)  # requests refused, by gRPC status
+
+
+@dataclass
+class DrainRankReport:
+    """DrainRank: one local rank of a node being drained."""
+
+    shard: ShardKey
+    committed: int = 0
+    replicated: int = 0
+    stopped_at: int = 0
+
+
+@dataclass
+class DrainReport:
+    """DrainResult: a drain of this node out of a job (``ffstate drain``, ``daemon/drain.py``)."""
+
+    state: str = "none"  # none, draining, drained, left, cancelled, failed
+    version: int = 0  # the step its ranks stopped at
+    requested_unix: float = 0.0
+    drained_unix: float = 0.0
+    left_unix: float = 0.0
+    ranks: list[DrainRankReport] = field(default_factory=list)
+    signalled: list[int] = field(default_factory=list)
+    message: str = ""
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ METHODS: dict[str, Method] = {
     "Inventory": Method("unary_unary", pb.InventoryRequest, pb.InventoryResponse),
     "StepBack": Method("unary_unary", pb.StepBackRequest, pb.StepBackResult),
     "Drop": Method("unary_unary", pb.DropRequest, pb.DropResult),
+    "Drain": Method("unary_unary", pb.DrainRequest, pb.DrainResult),
 }
 
 
@@ -110,4 +111,4 @@ def _record_type(hint: Any) -> type | None:
 
 _MESSAGES = {"ShardKey": pb.ShardKey, "RazorReport": pb.RazorInfo, "RestoreReport": pb.RestoreInfo,
              "ProfiledReport": pb.ProfiledInfo, "ShardReport": pb.ShardInfo, "LinkReport": pb.LinkInfo,
-             "NodeReport": pb.InventoryResponse}
+             "NodeReport": pb.InventoryResponse, "DrainReport": pb.DrainResult, "DrainRankReport": pb.DrainRank}

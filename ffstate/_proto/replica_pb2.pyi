@@ -223,18 +223,20 @@ class ProfiledInfo(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., collectives: _Optional[int] = ..., period_seconds: _Optional[float] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
 
 class RestoreInfo(_message.Message):
-    __slots__ = ("restores", "version", "steps_lost", "seconds", "entry_seconds")
+    __slots__ = ("restores", "version", "steps_lost", "seconds", "entry_seconds", "from_world_size")
     RESTORES_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_LOST_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENTRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     restores: int
     version: int
     steps_lost: int
     seconds: float
     entry_seconds: float
-    def __init__(self, restores: _Optional[int] = ..., version: _Optional[int] = ..., steps_lost: _Optional[int] = ..., seconds: _Optional[float] = ..., entry_seconds: _Optional[float] = ...) -> None: ...
+    from_world_size: int
+    def __init__(self, restores: _Optional[int] = ..., version: _Optional[int] = ..., steps_lost: _Optional[int] = ..., seconds: _Optional[float] = ..., entry_seconds: _Optional[float] = ..., from_world_size: _Optional[int] = ...) -> None: ...
 
 class InventoryResponse(_message.Message):
     __slots__ = ("node_id", "shards", "bytes_used", "bytes_budget", "links", "scheduler", "collectives", "collisions", "overlap_seconds", "persist")
@@ -341,3 +343,47 @@ class DropResult(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     dropped: int
     def __init__(self, dropped: _Optional[int] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("job_id", "leave", "cancel", "query")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    leave: bool
+    cancel: bool
+    query: bool
+    def __init__(self, job_id: _Optional[str] = ..., leave: _Optional[bool] = ..., cancel: _Optional[bool] = ..., query: _Optional[bool] = ...) -> None: ...
+
+class DrainRank(_message.Message):
+    __slots__ = ("shard", "committed", "replicated", "stopped_at")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_AT_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    committed: int
+    replicated: int
+    stopped_at: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., committed: _Optional[int] = ..., replicated: _Optional[int] = ..., stopped_at: _Optional[int] = ...) -> None: ...
+
+class DrainResult(_message.Message):
+    __slots__ = ("state", "version", "requested_unix", "drained_unix", "left_unix", "ranks", "signalled", "message")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    DRAINED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LEFT_UNIX_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SIGNALLED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    version: int
+    requested_unix: float
+    drained_unix: float
+    left_unix: float
+    ranks: _containers.RepeatedCompositeFieldContainer[DrainRank]
+    signalled: _containers.RepeatedScalarFieldContainer[int]
+    message: str
+    def __init__(self, state: _Optional[str] = ..., version: _Optional[int] = ..., requested_unix: _Optional[float] = ..., drained_unix: _Optional[float] = ..., left_unix: _Optional[float] = ..., ranks: _Optional[_Iterable[_Union[DrainRank, _Mapping]]] = ..., signalled: _Optional[_Iterable[int]] = ..., message: _Optional[str] = ...) -> None: ...

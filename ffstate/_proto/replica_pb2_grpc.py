@@ -79,6 +79,11 @@ class ReplicaStub:
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.DropRequest.SerializeToString,
                 response_deserializer=ffstate_dot_v1_dot_replica__pb2.DropResult.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/ffstate.v1.Replica/Drain',
+                request_serializer=ffstate_dot_v1_dot_replica__pb2.DrainRequest.SerializeToString,
+                response_deserializer=ffstate_dot_v1_dot_replica__pb2.DrainResult.FromString,
+                _registered_method=True)
 
 
 class ReplicaServicer:
@@ -151,6 +156,15 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Drains this node out of a job (ffstate drain): its local ranks stop at their next commit, and once every one
+        of them is replicated at the step they reached, the daemon stops them (their torchrun agent leaves the job
+        by a signal, which keeps the rendezvous open for the others). Also reports a drain's progress.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplicaServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +212,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.Drop,
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.DropRequest.FromString,
                     response_serializer=ffstate_dot_v1_dot_replica__pb2.DropResult.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=ffstate_dot_v1_dot_replica__pb2.DrainRequest.FromString,
+                    response_serializer=ffstate_dot_v1_dot_replica__pb2.DrainResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +462,33 @@ class Replica:
             '/ffstate.v1.Replica/Drop',
             ffstate_dot_v1_dot_replica__pb2.DropRequest.SerializeToString,
             ffstate_dot_v1_dot_replica__pb2.DropResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ffstate.v1.Replica/Drain',
+            ffstate_dot_v1_dot_replica__pb2.DrainRequest.SerializeToString,
+            ffstate_dot_v1_dot_replica__pb2.DrainResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,7 +10,9 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -112,11 +114,50 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
 
 def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:
     """Starts ``ffstate serve`` with ``dcfg``'s flags, in a session of its own (it outlives this worker and
-    torchrun's restarts of it), logging to the run folder; the token goes in its environment. Returns its pid."""
+    torchrun's restarts of it), logging to the run folder, where its address goes too (``local_daemons`` finds it
+    there); the token goes in its environment. Returns its pid."""
     args = [sys.executable, "-m", "ffstate.cli", "serve", *dcfg.to_args()]
+    (run_dir / f"daemon-{dcfg.node_id}.address").write_text(f"{dcfg.host}:{dcfg.port}")
     with open(run_dir / f"daemon-{dcfg.node_id}.log", "a") as out:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                 env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True).pid
+
+
+@dataclass(frozen=True)
+class Found:
+    """A daemon the workers of a job started on this machine, as its run folder describes it."""
+
+    address: str
+    token: str
+    job: str
+    node_id: str
+    pid: int
+
+
+def local_daemons(job: str = "") -> list[Found]:
+    """The daemons workers started on this machine that are alive (of ``job``, or of every job): read from the job
+    run folders in the temporary directory (``$TMPDIR/ffstate-<job>/``: the daemon's pid and address files, the
+    job's token). A daemon whose address is not one of this machine's (a run folder shared by several machines)
+    is left out."""
+    out = []
+    for run_dir in sorted(Path(tempfile.gettempdir()).glob("ffstate-*")):
+        name = run_dir.name[len("ffstate-"):]
+        if job and name != job:
+            continue
+        try:
+            token = (run_dir / "token").read_text().strip()
+        except OSError:
+            token = ""
+        for pid_file in sorted(run_dir.glob("daemon-*.pid")):
+            node_id = pid_file.name[len("daemon-"):-len(".pid")]
+            try:
+                pid = int(pid_file.read_text().strip())
+                address = (run_dir / f"daemon-{node_id}.address").read_text().strip()
+            except (OSError, ValueError):
+                continue
+            if _alive(pid) and placement.is_local(address.rsplit(":", 1)[0]):
+                out.append(Found(address, token or os.environ.get("FFSTATE_TOKEN", ""), name, node_id, pid))
+    return out
 
 
 @contextlib.contextmanager

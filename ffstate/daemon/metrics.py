@@ -51,6 +51,9 @@ class ReportCollector(Collector):
         restore_version = GaugeMetricFamily("ffstate_restore_version", "The step the newest restore went back to (v*)",
                                             labels=shard)
         restore_lost = GaugeMetricFamily("ffstate_restore_steps_lost", "The newest restore's steps lost", labels=shard)
+        resized = GaugeMetricFamily("ffstate_restore_from_world_size",
+                                    "The world size the newest restore's copies were made at (a resize; 0: none)",
+                                    labels=shard)
         held = GaugeMetricFamily("ffstate_replica_bytes", "Memory of the replicas this daemon holds", labels=shard)
         version = GaugeMetricFamily("ffstate_replica_version", "Newest version of a held replica", labels=shard)
         staged = GaugeMetricFamily("ffstate_staged_bytes", "Memory of a pushed version not yet committed", labels=shard)
@@ -85,6 +88,7 @@ class ReportCollector(Collector):
                 restore_seconds.add_metric(labels, s.restore.seconds)
                 restore_version.add_metric(labels, s.restore.version)
                 restore_lost.add_metric(labels, s.restore.steps_lost)
+                resized.add_metric(labels, s.restore.from_world_size)
             sent.add_metric(labels, s.pushed_bytes)
             versions.add_metric(labels, s.pushed_versions)
             lag.add_metric(labels, max(0, s.version - s.replicated_version))
@@ -98,7 +102,7 @@ class ReportCollector(Collector):
                 mismatched.add_metric(labels, s.razor.mismatches)
         yield from (hangs, step, compute, since, deadline, straggler)
         yield from (sent, versions, lag, ratio, queue, state, replicated, verified, mismatched, restores,
-                    restore_seconds, restore_version, restore_lost)
+                    restore_seconds, restore_version, restore_lost, resized)
 
         estimate = GaugeMetricFamily("ffstate_link_estimate_bytes_per_second", "Estimated bandwidth to a holder",
                                      labels=["node", "holder"])

@@ -22,6 +22,7 @@ from ffstate import codec, persist, shm
 from ffstate.client import Client, Tls
 from ffstate.codec import Packed, Snapshot
 from ffstate.config import DaemonConfig
+from ffstate.daemon.drain import Drainer
 from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
 from ffstate.daemon.shard import LocalShard
@@ -86,6 +87,7 @@ class Node:
             log.warning("removed %s, left by a daemon of node %s that is gone", path, cfg.node_id)
         self.watchdog = Watchdog(cfg, lambda: [(s.key, s.slots) for s in self._shards()])
         self.watchdog.start()
+        self.drainer = Drainer(self._shards)
         self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
@@ -189,6 +191,7 @@ class Node:
                         f"{manifest.layout_id} (a different model?). Drop the job first or use another job id",
                         "FAILED_PRECONDITION")
                 self.replicator.reset(shard, holders, discard_after=discard_after)
+                self.drainer.forget(shard)
                 log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
                          [h.address for h in shard.holders])
             else:
@@ -278,17 +281,19 @@ class Node:
     def release(self, nbytes: int) -> None:
         self.store.release(nbytes)
 
-    def drop(self, job_id: str, rank: int | None) -> int:
-        """Drops a job's shard (``rank``) or every shard of it, replicas and local slots; returns how many."""
+    def drop(self, job_id: str, rank: int | None, world: int | None = None) -> int:
+        """Drops a job's shard (``rank``) or all (None) of world size ``world`` (None: any), replicas and slots."""
         job = check_id(job_id, "job id")
-        n = self.store.drop(job, rank)
+        n = self.store.drop(job, rank, world)
         with self._lock:
-            gone = [k for k in self.local if k.job_id == job and (rank is None or k.rank == rank)]
+            gone = [k for k in self.local if k.job_id == job and (rank is None or k.rank == rank)
+                    and (world is None or k.world_size == world)]
             shards = [self.local.pop(k) for k in gone]
         for s in shards:
             self._close_local(s)
-        # Only the job's end empties an auto-started daemon: one rank dropped for a new layout re-attaches at once.
-        if self.cfg.exit_when_empty and rank is None and not self.local and not self.store.inventory():
+        # Only the job's end empties an auto-started daemon (a rank dropped for a new layout re-attaches at once; a
+        # resized job drops its old world's copies and trains on).
+        if self.cfg.exit_when_empty and rank is None and world is None and not self.local and not self.store.inventory():
             log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting, %d bytes "
                      "accounted", self.store.used)
             self.done.set()
@@ -362,8 +367,8 @@ def _local_report(key: ShardKey, s: LocalShard, watch: WatchReport | None = None
         v, m = s.slots.razor_counters()
         razor = dataclasses.replace(s.razor, verifications=v, mismatches=m)
     back = s.versions_back()  # no lock: advisory, and a round may hold it for a while
-    restores, version, lost, seconds, entry = s.slots.restore_record()
-    restore = RestoreReport(restores, version, lost, seconds, entry) if restores else None
+    restores, version, lost, seconds, entry, from_world = s.slots.restore_record()
+    restore = RestoreReport(restores, version, lost, seconds, entry, from_world) if restores else None
     timeline = s.slots.profiled_timeline()
     profiled = ProfiledReport(timeline.steps, len(timeline.intervals), timeline.period,
                               timeline.busy_seconds) if timeline else None

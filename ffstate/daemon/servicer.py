@@ -21,7 +21,7 @@ from ffstate.config import DaemonConfig
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
 from ffstate.daemon.store import IncomingChunk
 from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
-from ffstate.ids import ShardKey
+from ffstate.ids import ShardKey, check_id
 from ffstate.reports import RazorReport
 
 log = logging.getLogger("ffstate.daemon")
@@ -192,7 +192,16 @@ class Servicer:
 
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResult:
         rank = None if request.shard.rank < 0 else request.shard.rank
-        return self._guard("Drop", context, lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank)))
+        world = request.shard.world_size if request.shard.world_size > 0 else None
+        return self._guard("Drop", context,
+                           lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank, world)))
+
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResult:
+        def drain() -> pb.DrainResult:
+            job = check_id(request.job_id, "job id") if request.job_id else ""
+            return wire.to_proto(self.node.drainer.handle(job, request.leave, request.cancel, request.query))
+
+        return self._guard("Drain", context, drain)
 
     # ------------------------------------------------------------ wiring
 

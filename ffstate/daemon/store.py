@@ -341,10 +341,10 @@ class Store:
         log.info("stepped %s back to version %d", key, version)
         return held.version, held.snapshot.checksum
 
-    def drop(self, job_id: str, rank: int | None = None) -> int:
+    def drop(self, job_id: str, rank: int | None = None, world: int | None = None) -> int:
         with self._lock:
-            keys = [k for k in set(self._replicas) | set(self._staged)
-                    if k.job_id == job_id and (rank is None or k.rank == rank)]
+            keys = [k for k in set(self._replicas) | set(self._staged) if k.job_id == job_id
+                    and (rank is None or k.rank == rank) and (world is None or k.world_size == world)]
             gone = [self._replicas.pop(k, None) for k in keys]
             staged = [self._staged.pop(k, None) for k in keys]
             if self._served is not None and self._served[0] in keys:

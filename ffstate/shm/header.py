@@ -99,6 +99,13 @@ class Header(ctypes.LittleEndianStructure):
         ("paused_until_ns", _u64),
         ("stacks_len", _u64),
         ("stacks_path", ctypes.c_char * STACKS_PATH_MAX),
+        # Worker, slot 0 (at attach after a restore): the world size the newest restore's copies were made at (0: this
+        # run's own; else the job was resized, ffstate/elastic/).
+        ("restore_from_world", _u64),
+        # Daemon, slot 0: wall-clock ns of a drain of this node (ffstate drain; 0: none): the worker stops at its next
+        # commit. Worker, slot 0: the step it stopped at (0: not stopped).
+        ("drain_ns", _u64),
+        ("drained_version", _u64),
     ]
 
 

@@ -196,12 +196,32 @@ class Slots(WorkerFields):
         """What the daemon last wrote with ``set_replicated``: the newest version every holder has."""
         return self.headers[0].replicated if self.headers else 0
 
-    def restore_record(self) -> tuple[int, int, int, float, float]:
-        """(restores, and the newest one's version, steps lost, seconds, seconds from entry); all 0 for none."""
+    def restore_record(self) -> tuple[int, int, int, float, float, int]:
+        """(restores, and the newest one's version, steps lost, seconds, seconds from entry, world size its copies
+        were made at (0: this run's)); all 0 for none."""
         if not self.headers:
-            return 0, 0, 0, 0.0, 0.0
+            return 0, 0, 0, 0.0, 0.0, 0
         h = self.headers[0]
-        return h.restores, h.restore_version, h.restore_steps_lost, h.restore_seconds, h.restore_entry_seconds
+        return (h.restores, h.restore_version, h.restore_steps_lost, h.restore_seconds, h.restore_entry_seconds,
+                h.restore_from_world)
+
+    def drain(self) -> tuple[float, int]:
+        """(wall-clock seconds the daemon asked this rank's node to drain, 0.0: not asked; the step the worker
+        stopped at, 0: not stopped)."""
+        if not self.headers:
+            return 0.0, 0
+        return self.headers[0].drain_ns / 1e9, self.headers[0].drained_version
+
+    def set_drain(self, when: float) -> None:
+        """Daemon side: asks the worker to stop at its next commit (``when``: wall-clock seconds; 0.0: cancelled)."""
+        try:
+            self.headers[0].drain_ns = int(when * 1e9)
+        except IndexError:
+            pass
+
+    def set_drained(self, version: int) -> None:
+        """Worker side: it stopped at ``version`` for a drain (0: it went on)."""
+        self.headers[0].drained_version = version
 
     def razor_counters(self) -> tuple[int, int]:
         return (self.headers[0].razor_verifications, self.headers[0].razor_mismatches) if self.headers else (0, 0)
@@ -263,11 +283,13 @@ class Slots(WorkerFields):
         for h in self.headers:
             h.razor_verifications, h.razor_mismatches = verifications, mismatches
 
-    def record_restore(self, version: int, steps_lost: int, seconds: float, entry_seconds: float) -> None:
-        """A restore of this rank to ``version``, for the daemon's metrics and ``ffstate status``."""
+    def record_restore(self, version: int, steps_lost: int, seconds: float, entry_seconds: float,
+                       from_world: int = 0) -> None:
+        """A restore of this rank to ``version`` (``from_world``: the world size of its copies, if not this run's), for
+        the daemon's metrics and ``ffstate status``."""
         h = self.headers[0]
         h.restore_version, h.restore_steps_lost = version, steps_lost
-        h.restore_seconds, h.restore_entry_seconds = seconds, entry_seconds
+        h.restore_seconds, h.restore_entry_seconds, h.restore_from_world = seconds, entry_seconds, from_world
         h.restores += 1
 
     def set_profiled_timeline(self, timeline: ProfiledTimeline) -> None:
