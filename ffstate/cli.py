@@ -102,7 +102,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         table.add_row(address, inv.node_id, key[0], f"{key[1]}/{key[2]}", "local" if s.local else "replica",
                       str(s.version), ",".join(map(str, s.versions)), f"{s.bytes / 1e6:.1f}", age, lag, staged,
                       s.source)
-    console = Console()
+    # Outside a terminal (a pipe, a log) rich would cut every column to 80 characters: room for the longest rows.
+    console = Console() if sys.stdout.isatty() else Console(width=400)
     console.print(table)
     razor = Table(title="what each rank replicates (razor: each byte once per data-parallel group)")
     for col in ("job", "rank", "group", "state MB", "replicated MB", "share", "wire MB/version", "verified",
@@ -123,9 +124,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if razor.row_count:
         console.print(razor)
     _local_table(console, rows, "restore", "restores (what each rank's workers recorded in its slots: the newest)",
-                 ("restores", "to step (v*)", "steps lost", "restore s", "from entry s"),
-                 lambda r, _: (str(r.restores), str(r.version), str(r.steps_lost), f"{r.seconds:.3f}",
-                            f"{r.entry_seconds:.2f}"))
+                 ("restores", "to step (v*)", "steps lost", "restore s", "from entry s", "resized from"),
+                 lambda r, key: (str(r.restores), str(r.version), str(r.steps_lost), f"{r.seconds:.3f}",
+                                 f"{r.entry_seconds:.2f}",
+                                 f"{r.from_world_size} -> {key[2]} ranks" if r.from_world_size else "-"))
     computes = {key: s.watch.compute_seconds for _, _, s, key in rows
                 if s.local and s.HasField("watch") and s.watch.compute_seconds}
     job_median = {job: statistics.median(v for k, v in computes.items() if k[0] == job) for job, *_ in computes}
@@ -252,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", type=Path, help="CA of the daemons' certificates, when they use TLS")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per daemon (default 5)")
     p.set_defaults(run=cmd_status)
+
+    from ffstate.elastic.drain import add_arguments as drain_arguments
+    from ffstate.elastic.drain import main as drain_main
+
+    p = sub.add_parser("drain", help="take this node out of its job with no step lost (planned maintenance)")
+    drain_arguments(p)
+    p.set_defaults(run=drain_main)
 
     from ffstate.demo import main as demo
 

@@ -21,6 +21,7 @@ LAG_POLICIES = ("block", "skip")
 RAZOR_CHOICES = ("auto", "off")
 SCHEDULERS = ("windows", "naive")
 HANG_ACTIONS = ("kill", "log", "off")
+RESIZE_RNG = ("refuse", "keep")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ class Config:
         persist_nice: the CPU priority of the daemon's flushing process: "idle" (SCHED_IDLE: only the CPU
             nobody else wants; on a node whose cores are all busy more versions are skipped), or a niceness
             0-19 below the daemon's own ("10": fresher versions, at some CPU taken from the training there).
+        resize_rng: at a resize (the job resumed at another world size, ``ffstate/elastic/``), RNG streams that
+            differ across the old ranks have no place in the new shape: ``refuse`` (the resize is refused, naming
+            them) or ``keep`` (each new process keeps its own streams, as a resume with DCP does). Streams that are
+            the same on every old rank are restored either way.
+        drain_hold: seconds a rank of a node being drained (``ffstate drain``) waits at its last step for the node
+            to be taken out of the job; past it the drain is given up and training goes on.
     """
 
     chunk_bytes: int = 1 << 20
@@ -149,10 +156,16 @@ class Config:
     persist_every: int = 10
     persist_keep: int = 2
     persist_nice: str = "idle"
+    resize_rng: str = "refuse"
+    drain_hold: float = 300.0
 
     def __post_init__(self) -> None:
         check_hang(self)
         check_persist(self)
+        if self.resize_rng not in RESIZE_RNG:
+            raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
+        if not self.drain_hold > 0:
+            raise ValueError(f"drain_hold must be > 0 seconds, got {self.drain_hold}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.codec_threads < 0:

@@ -122,6 +122,15 @@ class Job:
             while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
                 time.sleep(0.02)
 
+    def mark(self, name: str) -> None:
+        """Says, under ``name``, that this rank got somewhere (``all_marked`` asks whether every rank did)."""
+        if self.store is not None:
+            self.store.set(self.key(name, self.rank), "1")
+
+    def all_marked(self, name: str) -> bool:
+        """Whether every rank has ``mark``ed ``name`` (one store call, no wait)."""
+        return self.store is None or self.store.check([self.key(name, r) for r in range(self.world)])
+
     def publish_replicated(self, version: int) -> None:
         """Publishes the newest version every holder of this rank has; updates ``global_committed``, the
         minimum over the ranks that published."""

@@ -173,6 +173,11 @@ def split(state: Any, plan: Plan, rank: int) -> dict:
     return {"own": own, "razor": {"plan": plan.to_json(), "part": part}}
 
 
+def own(shard: Any) -> Any:
+    """A committed shard's own entries (the shard itself without the razor)."""
+    return shard["own"] if plan_of(shard) is not None else shard
+
+
 def plan_of(shard: Any) -> Plan | None:
     """The plan a committed shard was made with (None: a shard without the razor)."""
     if isinstance(shard, dict) and set(shard) == {"own", "razor"}:

@@ -5,8 +5,10 @@ its group's parts), from every source: its node's slots, the daemons holding rep
 step back to. The ranks publish their lists through the job's store and all pick the same v*: the
 newest version every rank has. A rank then takes v* of each shard from its node's slots by memory copy
 when they hold it, else fetches it from the holders (striped over them, in parallel), puts the razor's
-parts back together, and hands the state to the trainer's ``load``. ``restore`` is the whole flow;
-the steps are public for the tests and benchmarks that drive one of them.
+parts back together, and hands the state to the trainer's ``load``. When the newest copies were made at
+another world size (the job shrank or grew), ``restore`` hands over to ``ffstate/elastic/``, which runs the same
+steps over every old rank's copy. ``restore`` is the whole flow; the steps are public for the tests, the
+benchmarks and the elastic restore that drive them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class Restored:
     state: Any = None
     parts: dict[int, str] = field(default_factory=dict)  # under the razor: where each member's part came from
     entry_seconds: float = 0.0  # from the process's entry into ``replicate`` to the state loaded
+    from_world: int = 0  # a resize: the world size the copies were made at (0: this run's own)
 
     @property
     def steps_lost(self) -> int:
@@ -68,13 +71,12 @@ class Restored:
 
 
 def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.AttachResponse | None],
-                 daemons: dict[str, Client], node_daemon: Client | None = None) -> dict[int, Available]:
-    """Where each of ``ranks``' shards can be restored from: this node's slots (``lookups``, per rank on
-    this node) and every reachable daemon in ``daemons`` (replicas, and other nodes' slots, which
-    their daemon serves too).
-
-    Raises:
-        FFStateError: the job's copies were made with another world size (resharding is not supported).
+                 daemons: dict[str, Client], node_daemon: Client | None = None,
+                 others: dict[int, int] | None = None) -> dict[int, Available]:
+    """Where each of ``ranks``' shards (made at ``world``) can be restored from: this node's slots (``lookups``,
+    per rank on this node) and every reachable daemon in ``daemons`` (replicas, and other nodes' slots, which
+    their daemon serves too). ``others``, when given, gets the newest version of any copy of the job made at
+    another world size, per world size (what a resize would start from).
     """
     got = {r: Available(local=list(lookups[r].committed_versions) if lookups.get(r) is not None else [])
            for r in ranks}
@@ -87,12 +89,9 @@ def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.A
         except ReplicaUnavailable as e:
             log.warning("daemon %s is unreachable (%s); not counting on its copies", address, e)
             continue
-        other = sorted({s.shard.world_size for s in inv.shards if s.shard.world_size != world})
-        if other:
-            raise FFStateError(
-                f"job {job} has copies made with world size {other} at {address}; this run has world size {world}. "
-                "ffstate restores a rank from the same rank of the same world size (no resharding): restart with "
-                f"world size {other[0]}, or use a new job id (FFSTATE_JOB_ID) to start from scratch")
+        for s in inv.shards:
+            if s.shard.world_size != world and s.versions and others is not None:
+                others[s.shard.world_size] = max(others.get(s.shard.world_size, 0), max(s.versions))
         if address not in daemons:
             continue
         for s in inv.shards:
@@ -116,8 +115,10 @@ def restorable(available: dict[int, Available], live_only: bool = False) -> set[
 
 
 def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: int = 0, live: set[int] | None = None,
-              check: Callable[[list[int]], set[int]] | None = None) -> tuple[int, int]:
-    """(v*, newest version any rank has), the same on every rank.
+              check: Callable[[list[int]], set[int]] | None = None, others: dict[int, int] | None = None,
+              name: str = "versions") -> tuple[int, int, dict[int, int]]:
+    """(v*, newest version any rank has, newest version of the copies made at other world sizes), the same on every
+    rank.
 
     ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs
     (so that a job whose copies are partly lost is never taken for a new one); ``missing`` says, for
@@ -125,32 +126,37 @@ def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: 
     is what it has in memory; the rest is on disk, and when v* would be read from the disk by any rank,
     every rank first ``check``s its disk-only versions (reading their files: newest first, the good ones
     returned) and the ranks agree again on what passed: a torn or corrupted version is never chosen.
+    ``others``: the newest version of the copies this rank saw made at other world sizes (a resize); ``name``
+    keeps two negotiations of one attempt apart.
 
     Raises:
-        FFStateError: some ranks have versions and others none in common: restoring any version would
-            mix steps (never done), and restarting from scratch would silently lose the job's progress.
+        FFStateError: some ranks have versions and others none in common, and no copies of another world size
+            exist: restoring any version would mix steps (never done), and restarting from scratch would silently
+            lose the job's progress.
     """
     live = mine if live is None else live
-    if job.store is None:
-        told = [{"versions": sorted(mine), "live": sorted(live), "seen": max([seen, *mine]), "missing": missing or []}]
-    else:
-        told = job.exchange("versions", {"versions": sorted(mine), "live": sorted(live), "missing": missing or [],
-                                         "seen": max([seen, *mine])}, range(job.world), NEGOTIATE_TIMEOUT)
+    mine_told = {"versions": sorted(mine), "live": sorted(live), "missing": missing or [], "seen": max([seen, *mine]),
+                 "others": {str(w): v for w, v in (others or {}).items()}}
+    told = job.exchange(name, mine_told, range(job.world), NEGOTIATE_TIMEOUT) if job.store is not None else [mine_told]
     everyone = [set(t["versions"]) for t in told]
     last = max(t["seen"] for t in told)
     lost = sorted({line for t in told for line in t["missing"]})
+    worlds: dict[int, int] = {}
+    for t in told:
+        for w, v in t["others"].items():
+            worlds[int(w)] = max(worlds.get(int(w), 0), v)
     common = set.intersection(*everyone) if everyone else set()
     if common and check is not None and any(max(common) not in set(t["live"]) for t in told):
         mine = live | check(sorted(mine - live, reverse=True))
         if job.store is not None:
-            told = job.exchange("versions-checked", {"versions": sorted(mine)}, range(job.world), NEGOTIATE_TIMEOUT)
+            told = job.exchange(f"{name}-checked", {"versions": sorted(mine)}, range(job.world), NEGOTIATE_TIMEOUT)
         else:
             told = [{"versions": sorted(mine)}]
         everyone = [set(t["versions"]) for t in told]
         common = set.intersection(*everyone)
     if common:
-        return max(common), last
-    if last:  # some copy of the job exists: refuse, never start over silently
+        return max(common), last, worlds
+    if last and not worlds:  # some copy of the job exists: refuse, never start over silently
         missing_ranks = [r for r, v in enumerate(everyone) if not v]
         detail = ("; ".join(lost) + ". ") if lost else ""
         raise FFStateError(
@@ -158,7 +164,7 @@ def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: 
             f"common with the others (versions per rank: {[sorted(v)[-3:] for v in everyone]}). The nodes holding "
             "those copies were lost together; refusing to restore a mix of steps or to restart from step 0 "
             "silently. Raise Config.replicas, or start the job under a new job id to begin from scratch.")
-    return 0, 0
+    return 0, last, worlds
 
 
 def fetch(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
@@ -220,40 +226,57 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
 
 
 def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...], load: Callable[[Any], None],
-            entry: float) -> Restored | None:
+            entry: float, resize: Callable[[int, Path | None], Restored] | None = None) -> Restored | None:
     """Restores this rank at v*, or returns None when the job has no copies (a fresh start).
 
     ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group``
     the ranks of its razor group (empty without the razor), ``load(state)`` puts a state into the
     training objects, ``entry`` is ``time.perf_counter()`` at the process's entry into ``replicate``.
+    When the job's newest copies were made at another world size (the job shrank or grew), ``resize(old world size,
+    the persistent tier's job folder)`` restores from them instead, in this run's shape (``ffstate/elastic/``).
 
     Raises:
         FFStateError: no version every rank can restore although copies exist (see ``negotiate``), or the
-            copies were made with another world size or razor setting.
+            copies were made with another razor setting, or at another world size and ``resize`` is None.
     """
     me, topo = job.rank, job.topology
     needed = sorted({me, *group})
     lookups = {r: daemon.lookup(job.job, r, job.world) if r in topo.node_ranks else None for r in needed}
     # This node's daemon counts too: it holds other nodes' ranks' replicas (their parts, under the razor).
     daemons = {a: job.client(a) for a in [daemon.address, *holders, *_other_daemons(job, needed, holders)]}
-    available = survey_ranks(job.job, needed, job.world, lookups, daemons, daemon)
+    others: dict[int, int] = {}
+    available = survey_ranks(job.job, needed, job.world, lookups, daemons, daemon, others)
     disk_dir = Path(job.cfg.persist_dir) / job.job if job.cfg.persist_dir else None
     reached = 0
     if disk_dir is not None:  # the persistent tier: its complete versions (checked before any is read)
-        done = persist.complete_versions(disk_dir)
+        done = persist.complete_versions(disk_dir, job.world)
         reached = persist.reached(disk_dir)
         for a in available.values():
             a.disk, a.disk_dir = done, disk_dir
+        for w, newest in persist.worlds(disk_dir).items():
+            if w != job.world:
+                others[w] = max(others.get(w, 0), newest)
     missing = _missing(job, available, razor_on=bool(group))
     if any(a.versions for a in available.values()):
         log.info("rank %d: copies found (newest versions per shard and source): %s", me,
                  {r: {"slots": sorted(a.local)[-3:], **{s: sorted(v)[-3:] for s, v in a.remote.items()},
                       **({"persisted": a.disk[-3:]} if a.disk else {})} for r, a in available.items()})
     seen = max([reached, *(max(a.versions) for a in available.values() if a.versions)])
-    v, last = negotiate(job, restorable(available), missing=missing, seen=seen,
-                        live=restorable(available, live_only=True), check=lambda vs: _checked(disk_dir, vs, needed))
+    v, last, worlds = negotiate(job, restorable(available), missing=missing, seen=seen,
+                                live=restorable(available, live_only=True),
+                                check=lambda vs: checked(disk_dir, vs, needed), others=others)
+    newer = {w: n for w, n in worlds.items() if n > v}
+    if newer:  # the newest copies are of another shape: resume from them, resharded
+        old_world = max(newer, key=lambda w: (newer[w], w))
+        if resize is None:
+            raise FFStateError(f"job {job.job} has copies made with world size {old_world}; this run has world size "
+                               f"{job.world} and nothing to reshard them with")
+        log.info("rank %d: the job's newest copies were made at world size %d (up to step %d), this run has %d: "
+                 "resuming from them, resharded", me, old_world, newer[old_world], job.world)
+        with layout.gc_paused():
+            return resize(old_world, disk_dir)
     if disk_dir is not None:
-        _drop_newer(job, disk_dir, v)
+        drop_newer(job, disk_dir, v)
     if v == 0:
         log.info("rank %d: no replicas of job %s: starting at step 0", me, job.job)
         return None
@@ -293,11 +316,11 @@ def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, A
              got.entry_seconds)
     job.record({"event": "restored", "version": v, "last_version": last, "steps_lost": got.steps_lost,
                 "source": got.source, "parts_from": parts, "bytes": got.nbytes, "restore_seconds": got.seconds,
-                "entry_seconds": got.entry_seconds})
+                "entry_seconds": got.entry_seconds, "world": job.world})
     return got
 
 
-def _drop_newer(job: Job, disk_dir: Path, v: int) -> None:
+def drop_newer(job: Job, disk_dir: Path, v: int) -> None:
     """The persisted versions past v* belong to the run that died: the steps are about to be redone (maybe
     differently), into the same folders. Rank 0 removes them before any rank goes on (the others wait for it)."""
     if job.rank == 0:
@@ -306,7 +329,7 @@ def _drop_newer(job: Job, disk_dir: Path, v: int) -> None:
     job.exchange("persist-dropped", v, [0], NEGOTIATE_TIMEOUT)
 
 
-def _checked(disk_dir: Path | None, versions: list[int], ranks: list[int]) -> set[int]:
+def checked(disk_dir: Path | None, versions: list[int], ranks: list[int]) -> set[int]:
     """The persisted ``versions`` whose files of ``ranks`` match what was flushed (sizes and checksums); each one
     that does not is logged with the file at fault, and never read."""
     good = set()

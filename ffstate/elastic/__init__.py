@@ -1,0 +1,13 @@
+"""Jobs that change shape: resume at another world size from the copies made at the old one (a node lost with no
+spare, a node added), and drain a node out of a job with no step lost (DESIGN.md section 5).
+
+``resize`` loads every old rank's copy of v* into this run's objects, resharded: tensors through DCP's own
+planner (``reader``: a ``StorageReader`` over the copies in memory; ``targets``: this run's model and optimizer),
+everything else by a rule (``rules``). ``data.ElasticSampler`` keeps one global sample position across a resize.
+``drain`` asks a node's daemon to drain it (``ffstate drain``; the daemon's side is ``daemon/drain.py``).
+"""
+
+from ffstate.elastic.data import ElasticSampler
+from ffstate.elastic.drain import cancel_drain, drain
+
+__all__ = ["ElasticSampler", "cancel_drain", "drain"]

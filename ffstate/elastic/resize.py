@@ -1,0 +1,113 @@
+"""Putting copies made at world size N into this run's objects at N' (shrink or grow), bit for bit what a DCP load
+of a consolidated copy of the same version gives at N'.
+
+``recovery.restore`` finds that the job's newest copies were made at another world size; ``restore`` agrees on v*
+over every old rank's copy and fetches them all (slots, replicas, the persistent tier); ``load`` then applies the
+rules to what has no byte layout (``rules.py``: refused before anything is loaded), reads every tensor through DCP's own
+planner from the copies in memory (``reader.py``, ``targets.py``), and puts the rest in place. Every rank of the
+new world learns whether every other one could (a refusal on one is an error on all: no rank trains alone).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ffstate import capture, extras, persist
+from ffstate.client import Client
+from ffstate.config import Config
+from ffstate.elastic import rules, targets
+from ffstate.elastic.reader import Chunks
+from ffstate.errors import FFStateError
+from ffstate.job import Job
+from ffstate.recovery import Restored, checked, drop_newer, fetch_ranks, negotiate, restorable, survey_ranks
+
+log = logging.getLogger("ffstate.elastic")
+
+AGREE_TIMEOUT = 300.0  # seconds a rank waits for every rank's verdict on the resize
+
+
+def restore(job: Job, daemon: Client, old_world: int, disk_dir: Path | None,
+            load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored:
+    """Resumes this rank from the copies made at ``old_world``: v* is the newest version every old rank has somewhere
+    (this node's slots, any daemon of this job's nodes, the persistent tier in ``disk_dir``); every old rank's copy
+    of it goes to ``load_states(states, prefer)`` (old rank -> state; ``prefer``: the old ranks read from this node).
+
+    Raises:
+        FFStateError: no version is held for every old rank (the message names those without any copy).
+    """
+    me, ranks = job.rank, list(range(old_world))
+    addresses = job.daemon_addresses(list(range(job.topology.num_nodes))) if job.store is not None else []
+    daemons = {a: job.client(a) for a in dict.fromkeys([daemon.address, *addresses])}
+    here = {s.shard.rank for s in daemon.inventory(job.job).shards
+            if s.local and s.shard.world_size == old_world and s.versions}
+    lookups = {r: daemon.lookup(job.job, r, old_world) if r in here else None for r in ranks}
+    available = survey_ranks(job.job, ranks, old_world, lookups, daemons, daemon)
+    if disk_dir is not None:
+        done = persist.complete_versions(disk_dir, old_world)
+        for a in available.values():
+            a.disk, a.disk_dir = done, disk_dir
+    lost = [f"no copy of old rank {r}'s state (world size {old_world}) on this job's daemons "
+            f"{sorted(daemons)}{' or in the persistent tier' if disk_dir is not None else ''}"
+            for r, a in sorted(available.items()) if not a.versions]
+    seen = max([0, *(max(a.versions) for a in available.values() if a.versions)])
+    v, last, _ = negotiate(job, restorable(available), missing=lost, seen=seen,
+                           live=restorable(available, live_only=True),
+                           check=lambda vs: checked(disk_dir, vs, ranks), name="resize-versions")
+    if v == 0:
+        raise FFStateError(f"cannot resume at world size {job.world} from the copies made at {old_world}: no version "
+                           f"is held for every old rank ({'; '.join(lost) or 'their versions have none in common'}). "
+                           "Restart with the lost node's copies reachable, or under a new job id to begin from scratch")
+    if disk_dir is not None:
+        drop_newer(job, disk_dir, v)
+    start = time.perf_counter()
+    shards = fetch_ranks(job.job, old_world, v, available, lookups, daemons)
+    fetched = time.perf_counter() - start
+    load_states({r: got[0] for r, got in shards.items()}, sorted(r for r in ranks if lookups[r] is not None))
+    sources = {r: got[1] for r, got in sorted(shards.items())}
+    got = Restored(v, last, f"{old_world} old ranks' copies", sum(g[2] for g in shards.values()),
+                   time.perf_counter() - start, parts=sources, from_world=old_world)
+    got.entry_seconds = time.perf_counter() - entry
+    log.info("rank %d: resumed step %d (v*) of job %s at world size %d from the copies of %d old ranks (%s): %d steps "
+             "lost, %.1f MB read in %.3fs (fetch %.3fs); %.2fs from entry", me, v, job.job, job.world, old_world,
+             sorted(set(sources.values())), got.steps_lost, got.nbytes / 1e6, got.seconds, fetched, got.entry_seconds)
+    job.record({"event": "restored", "version": v, "last_version": last, "steps_lost": got.steps_lost,
+                "source": got.source, "parts_from": sources, "bytes": got.nbytes, "restore_seconds": got.seconds,
+                "fetch_seconds": fetched, "entry_seconds": got.entry_seconds, "from_world": old_world,
+                "world": job.world})
+    return got
+
+
+def load(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: Any,
+         cfg: Config, states: dict[int, Any], prefer: list[int]) -> None:
+    """Loads the old ranks' ``states`` (old rank -> captured state at v*, every one of them) into this rank's
+    objects at its world size. ``prefer``: old ranks whose copies came from this node (read first where several
+    hold a chunk).
+
+    Raises:
+        FFStateError: a value was refused (on this rank or any other), or the copies do not fit this run.
+    """
+    start = time.perf_counter()
+    error = ""
+    try:
+        rest = rules.resolve(states, job.rank, job.world, cfg.resize_rng, lr_scheduler, extra)
+        chunks = Chunks(states, prefer)
+    except FFStateError as e:
+        error = str(e)
+    told = job.exchange("resize-verdict", error, range(job.world), AGREE_TIMEOUT)
+    if any(told):
+        first = next(i for i, t in enumerate(told) if t)
+        raise FFStateError(error or f"rank {first} refused the resize: {told[first]}")
+    targets.load(model, optimizer, chunks, rest.groups)
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(rest.sched)
+    if extra is not None:
+        extras.restore(extra, rest.extra)
+    if rest.rng is not None:
+        capture.set_rng_state(rest.rng)
+    log.info("rank %d: resharded %d old ranks' copies into world size %d: %d tensors' chunks in %.3fs", job.rank,
+             len(states), job.world, len(chunks.data), time.perf_counter() - start)

@@ -1,0 +1,152 @@
+"""Jobs that change shape, under real torchrun on one machine (simulated nodes), for DDP, DDP + ZeRO and FSDP2:
+
+    4 ranks, node 1 SIGKILLed (its ranks and its daemon) -> 2 ranks (shrink 4 -> 2, from node 0's slots and the
+    replicas it held of node 1's ranks) -> every rank SIGKILLed -> 4 ranks (grow 2 -> 4, from node 0's slots) ->
+    every rank SIGKILLed -> 3 ranks (shrink 4 -> 3, on node 0 alone).
+
+At every resize each new rank compares every tensor of what ffstate restored, bit for bit, with what DCP's own
+reader loads at the new world size from the job's consolidated copy of v* (tests/procs/elastic.py), and the data
+position (an ElasticSampler) goes on from the same global sample. DDP also: a per-rank extra without a hook is
+refused by name and loses nothing (the next launch resumes from the same copies); the persistent tier's versions
+follow the job's shape; and the whole job lost after the last resize resumes at yet another size (3 -> 2) from the
+persisted versions alone. The two-node run under `torchrun --nnodes 1:2` and the drain are in
+test_elastic_torchrun.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ffstate import persist
+from ffstate.bench._report import free_ports
+from ffstate.client import Client
+
+pytestmark = pytest.mark.timeout(900)
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "procs" / "elastic.py"
+
+
+class Job:
+    """One job id launched again and again at different world sizes on this machine."""
+
+    def __init__(self, tmp: Path, parallel: str, persist_dir: Path | None = None, *extra: str):
+        self.tmp, self.parallel, self.out, self.extra = tmp, parallel, tmp / "out", extra
+        self.env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": f"el-{uuid.uuid4().hex[:6]}",
+                    "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(2)), "OMP_NUM_THREADS": "1",
+                    "TMPDIR": str(tmp)}
+        if persist_dir is not None:  # every version, flushed at the daemon's priority (the suite keeps the cores busy)
+            self.env.update(FFSTATE_PERSIST_DIR=str(persist_dir), FFSTATE_PERSIST_EVERY="1", FFSTATE_PERSIST_KEEP="3",
+                            FFSTATE_PERSIST_NICE="0")
+        self.job = self.env["FFSTATE_JOB_ID"]
+
+    def run(self, world: int, nodes: int, steps: int, *extra: str, ok: bool = True) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                "--max-restarts", "0", str(WORKER), "--out", str(self.out), "--parallel", self.parallel,
+                "--steps", str(steps), "--check", *self.extra, *extra]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=400,
+                              env={**self.env, "FFSTATE_SIMULATED_NODES": str(nodes)})
+        assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-4000:]
+        return proc
+
+    def checks(self, world: int) -> list[dict]:
+        """The verdicts of the newest resize to ``world`` ranks, one per rank."""
+        files = sorted(self.out.glob(f"check-v*-w{world}-rank*.json"), key=lambda p: p.stat().st_mtime)[-world:]
+        got = [json.loads(p.read_text()) for p in files]
+        assert len(got) == world and len({g["v"] for g in got}) == 1, got
+        return got
+
+    def stop_daemons(self) -> None:
+        for pid_file in (self.tmp / f"ffstate-{self.job}").glob("daemon-*.pid"):
+            try:
+                os.kill(int(pid_file.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def resized(job: Job, world: int, old: int, lost_at_most: int) -> dict:
+    """Every rank of the resize to ``world`` restored exactly what DCP loads from the reference of v*."""
+    got = job.checks(world)
+    for g in got:
+        assert g["from_world"] == old and g["world"] == world, g
+        assert g["mismatches"] == [] and g["tensors"] > 0, g
+        assert g["lost"] <= lost_at_most, g
+        assert g["position"] == g["samples"], g  # one global data position, as many samples as the steps took
+    return got[0]
+
+
+def sequence(job: Job, before_shrink=None) -> list[dict]:
+    """4 -> (node lost) 2 -> 4 -> 3, each resize checked; returns the three resizes' verdicts."""
+    from ffstate import Config
+
+    job.run(4, 2, 6, "--kill-node-after", "4", ok=False)
+    if before_shrink is not None:
+        before_shrink()
+    job.run(2, 1, 8, "--kill-all-after", "8", ok=False)
+    shrink = resized(job, 2, 4, Config().max_lag)  # node 1's ranks from their replicas: within the lag
+    job.run(4, 2, 11, "--kill-all-after", "11", ok=False)
+    grow = resized(job, 4, 2, 0)  # all from node 0's slots
+    assert grow["v"] == 8
+    with Client(f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}", job.env["FFSTATE_TOKEN"]) as node0:
+        shapes = {s.shard.world_size for s in node0.inventory(job.job).shards}
+    assert shapes == {4}, shapes  # the 2-rank copies went once every 4-rank one had a replicated version
+    job.run(3, 1, 13)
+    shrink3 = resized(job, 3, 4, Config().max_lag)
+    return [shrink, grow, shrink3]
+
+
+@pytest.mark.parametrize("parallel", ["ddp-zero", "fsdp2"])
+def test_shrink_grow_and_shrink_again_restore_what_dcp_loads_at_the_new_size(tmp_path, parallel):
+    job = Job(tmp_path, parallel)
+    try:
+        steps = sequence(job)
+    finally:
+        job.stop_daemons()
+    print(parallel, [(s["from_world"], s["world"], s["v"], s["lost"], s["tensors"]) for s in steps])
+
+
+def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_survive_the_whole_job_lost(tmp_path):
+    store = tmp_path / "persist"
+    job = Job(tmp_path, "ddp", store, "--per-rank-extra", "hooked")
+
+    def refused_then_untouched() -> None:
+        proc = job.run(2, 1, 8, "--per-rank-extra", "plain", ok=False)  # its author has not written the hook yet
+        text = proc.stdout + proc.stderr
+        assert "cannot resume at world size 2 from copies made at 4" in text, text[-3000:]
+        assert "extra/per_rank (PerRank) holds per-rank state" in text and "reshard_state_dict" in text
+        assert not list(job.out.glob("check-v*-w2-*.json"))  # refused before anything was loaded
+
+    try:
+        shrink, grow, shrink3 = sequence(job, before_shrink=refused_then_untouched)
+        shapes = persist.worlds(store / job.job)  # the versions after the last resize are of its shape
+        assert shapes.get(3, 0) > shrink3["v"] and all(v <= shrink3["v"] for w, v in shapes.items() if w != 3), shapes
+        job.stop_daemons()  # the whole job lost (its clean end dropped every copy in memory): the persisted ones only
+        job.run(2, 1, 15)
+        from_disk = resized(job, 2, 3, 1)
+        assert from_disk["v"] == shapes[3]
+    finally:
+        job.stop_daemons()
+    events = [json.loads(line) for line in (tmp_path / f"ffstate-{job.job}" / "events.jsonl").read_text().splitlines()]
+    last = [e for e in events if e["event"] == "restored" and e.get("from_world") == 3]
+    assert len(last) == 2 and all(src.startswith("persisted") for e in last for src in e["parts_from"].values()), last
+    print("ddp", [(s["from_world"], s["world"], s["v"], s["lost"]) for s in (shrink, grow, shrink3, from_disk)])
+
+
+def test_a_resize_with_an_old_rank_s_copies_all_lost_names_it(tmp_path):
+    """No replicas (Config.replicas 0): node 1's loss takes the only copies of ranks 2 and 3. The job relaunched at 2
+    ranks refuses to start, every rank saying which old ranks have no copy anywhere, rather than start over."""
+    job = Job(tmp_path, "ddp")
+    job.env["FFSTATE_REPLICAS"] = "0"
+    try:
+        job.run(4, 2, 4, "--kill-node-after", "3", ok=False)
+        proc = job.run(2, 1, 6, ok=False)
+    finally:
+        job.stop_daemons()
+    text = proc.stdout + proc.stderr
+    for r in (2, 3):
+        assert f"no copy of old rank {r}'s state (world size 4)" in text, text[-3000:]
+    assert "no copy of old rank 0's" not in text and not list(job.out.glob("check-*.json"))
