@@ -19,7 +19,10 @@ From those, two comparisons:
     killed between steps; a baseline N/2 on average), and the time to regain the progress the
     failure cost: restore + recomputing the lost steps.
 
-Usage: ``ffstate bench recovery [--sizes small,medium] [--repeats 5] [--dir PATH]``. Prints a table;
+With ``--resize`` (``resize.py``), also a job resumed at another world size from the replicas against
+``dcp.load`` at the new size, and a drain's downtime under an elastic torchrun.
+
+Usage: ``ffstate bench recovery [--sizes small,medium] [--repeats 5] [--dir PATH] [--resize]``. Prints a table;
 writes ``bench/results/recovery.json`` and a PNG plot beside it.
 """
 
@@ -188,7 +191,7 @@ def _after(step, protect):
     return fn
 
 
-def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path) -> dict:
+def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path, resize: bool = False) -> dict:
     token = secrets.token_hex(8)
     work = Path(tempfile.mkdtemp(prefix="ffstate-recovery-", dir=work_dir))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)}", rank=0, world_size=1)
@@ -205,6 +208,11 @@ def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path) ->
                 os.environ[k] = v
     result = {"benchmark": "recovery", "environment": environment("cpu"),
               "config": {"sizes": sizes, "repeats": repeats, "checkpoint_dir": str(work.parent)}, "sizes": sizes_out}
+    if resize:
+        from ffstate.bench import resize as resize_bench
+
+        result["resize"] = resize_bench.measure_resize(sizes[0], repeats)
+        result["drain"] = resize_bench.measure_drain(sizes[0])
     return publish(out_dir, "recovery", result, report, plot)
 
 
@@ -231,6 +239,10 @@ def report(result: dict) -> str:
         out += ["", "the whole job lost: resuming from the persistent tier (files checked, read, loaded) against "
                 "dcp.load of the same checkpoint",
                 table(disk, ["state", "on disk MB", "ffstate ms", "dcp.load ms", "ffstate / dcp.load"])]
+    if "resize" in result or "drain" in result:
+        from ffstate.bench.resize import report_rows
+
+        out += report_rows(result.get("resize"), result.get("drain"))
     return "\n".join(out)
 
 
@@ -262,13 +274,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; medians are reported (default 5)")
     p.add_argument("--dir", type=Path, help="where the baselines write their checkpoints (default: the temp dir)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
+    p.add_argument("--resize", action="store_true", help="also a job resumed at another world size from the replicas "
+                   "against dcp.load, and a drain's downtime (torchrun jobs; the drain needs root)")
 
 
 def main(args: argparse.Namespace) -> int:
     sizes = [s for s in args.sizes.split(",") if s]
     if not set(sizes) <= set(SIZES):
         raise SystemExit(f"--sizes takes {sorted(SIZES)}")
-    run(sizes, args.repeats, args.dir, args.out)
+    run(sizes, args.repeats, args.dir, args.out, resize=args.resize)
     return 0
 
 

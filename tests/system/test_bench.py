@@ -13,7 +13,7 @@ import pytest
     (["codec", "--size", "small", "--steps", "2", "--repeats", "1"], "codec-cpu"),
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
-    (["recovery", "--sizes", "small", "--repeats", "1"], "recovery"),
+    (["recovery", "--sizes", "small", "--repeats", "1", "--resize"], "recovery"),
     (["overhead", "--parallel", "ddp", "--modes", "off,local,naive,persist,async-save", "--steps", "4", "--repeats",
       "1", "--ranks-per-node", "1", "--persist-nice", "0"], "overhead"),  # not idle: the suite keeps the cores busy
 ])
@@ -31,6 +31,11 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
         for mode in ("persist", "async-save"):  # versions written to disk (or skipped while one was written)
             row = result["jobs"]["ddp @ loopback"][mode]
             assert row["saved"] > 0 and row["saved"] + row["skipped"] > 0, (mode, row)
+    if name == "recovery":  # the resize from the replicas, and the drain where namespaces can be made
+        from ffstate import Config
+
+        assert 0 <= result["resize"]["steps_lost"] <= Config().max_lag and result["resize"]["dcp_load_seconds"] > 0
+        assert result["drain"].get("steps_lost", 0) == 0, result["drain"]
 
 
 def test_simulation_answers_the_way_the_model_says():
