@@ -333,10 +333,12 @@ class StepBackResult(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class DropRequest(_message.Message):
-    __slots__ = ("shard",)
+    __slots__ = ("shard", "only_world")
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    ONLY_WORLD_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ...) -> None: ...
+    only_world: bool
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., only_world: _Optional[bool] = ...) -> None: ...
 
 class DropResult(_message.Message):
     __slots__ = ("dropped",)

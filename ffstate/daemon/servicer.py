@@ -1,6 +1,6 @@
 """The daemon's gRPC edge: the servicer translates between protobuf and the node (``node.py``), one map
 turns every error into its gRPC status, and an interceptor checks the job token on every call (health
-checks excepted). ``start_server`` binds it, plain or TLS (DESIGN.md I6)."""
+checks excepted). ``start_server`` binds it, plain or TLS (docs/design.md I6)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ class Servicer:
 
     def Drop(self, request: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResult:
         rank = None if request.shard.rank < 0 else request.shard.rank
-        world = request.shard.world_size if request.shard.world_size > 0 else None
+        world = request.shard.world_size if request.only_world or rank is not None else None
         return self._guard("Drop", context,
                            lambda: pb.DropResult(dropped=self.node.drop(request.shard.job_id, rank, world)))
 
