@@ -24,8 +24,9 @@ from ffstate import capture, extras, layout, placement, razor, recovery, shm, wi
 from ffstate.commit import SlotWriter
 from ffstate.config import Config
 from ffstate.daemon import launch
-from ffstate.elastic import resize
+from ffstate.elastic import resize, rules
 from ffstate.elastic.reader import KEYS, keys_tensor
+from ffstate.elastic.worker import ShapeWatch
 from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
 from ffstate import lag as lag_mod
@@ -80,9 +81,6 @@ class Replicated:
         self._stacks = None  # the file faulthandler writes this process's stacks to, on the watchdog's SIGUSR1
         self._keys: dict | None = None  # the state's DCP key map (persist/keys.py), carried by every commit
         self._keys_tensor: torch.Tensor | None = None
-        self._old_world = 0  # after a resize: the old world size, until its copies are dropped
-        self._copy_marked = False  # after a resize: this rank has a copy of a version past v* (replicated)
-        self._drain_given_up = 0.0  # the drain request this rank stopped for and then gave up (drain_hold)
 
     @property
     def global_committed(self) -> int:
@@ -103,6 +101,7 @@ class Replicated:
         self.razor = RazorVerifier(job, groups)
         self.pacing = PacingSignals(self.model, self.cfg, job.rank, job.world, bool(self.holders))
         self.lag = LagWatch(job, lambda: self.daemon, self._daemon_lost)
+        self.shape = ShapeWatch(job, lambda: self.daemon, self.pause)
         self._register_stacks()
         log.info("rank %d: razor: %s", job.rank, groups.reason if groups else razor.why_not(job.world, self.cfg))
         got = recovery.restore(job, self.daemon, self.holders, groups.ranks if groups else (), self._load, self._t0,
@@ -111,7 +110,7 @@ class Replicated:
         if got is not None:  # the slots' versions past v* go at attach: the steps about to be redone
             self.restored, self.start_step, self._last, self.lag.replicated = got, got.version, got.version, got.version
             self._restore_report = (got.version, got.steps_lost, got.seconds, got.entry_seconds, got.from_world)
-            self._old_world = got.from_world  # its copies are dropped once this shape's are replicated
+            self.shape.resized(got.from_world, got.version)  # the old shape's copies go once this shape's are safe
         return self
 
     def _check_state(self, groups: razor.Groups | None) -> None:
@@ -246,6 +245,8 @@ class Replicated:
         with layout.gc_paused():  # the state's containers, dropped at the end: no collection over the model's objects
             state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
             state[KEYS[0]] = {KEYS[1]: self._key_map()}  # so that any copy can be resharded (ffstate/elastic/)
+            if self._last == self.start_step:  # this process's first commit
+                rules.warn_early(self.job, state, self.extra)
             state = self.razor.shard(state, step, self._new_layout, self._razor_counters)
             if self._writer is None:
                 self._attach(state)
@@ -260,11 +261,7 @@ class Replicated:
         self.pacing.on_commit()
         if self.holders:
             self.lag.after_commit(step, self._slots, self._slots.wait_timed_out)
-        if self._old_world:
-            self._drop_old_world()
-        asked, _ = self._slots.drain()
-        if asked and asked != self._drain_given_up:
-            self._stop_for_drain(step, asked)
+        self.shape.after_commit(step, self._slots, self.lag.replicated if self.holders else step)
 
     def _key_map(self) -> torch.Tensor:
         """The DCP key map of the state (made at the first commit, when the optimizer has its state; again at a new
@@ -273,46 +270,6 @@ class Replicated:
             self._keys = persist_keys.key_map(self.model, self.optimizer)
             self._keys_tensor = keys_tensor(self._keys)
         return self._keys_tensor
-
-    def _drop_old_world(self) -> None:
-        """After a resize, the old world's copies are kept until every rank of this one has a copy of a version past
-        v* (replicated, where it has holders): until then a failure resumes from them again. Then each node's first
-        rank drops them from its daemon."""
-        mine = self.lag.replicated if self.holders else self._last
-        if not self._copy_marked and mine > self.start_step:
-            self.job.mark("resized-copy")
-            self._copy_marked = True
-        if not self._copy_marked:
-            return
-        if self.topology.first_on_node:
-            if not self.job.all_marked("resized-copy"):
-                return
-            try:
-                n = self.daemon.drop(self.job.job, -1, self._old_world)
-                log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size %d from "
-                         "node %s's daemon", self.rank, self.world, n, self._old_world, self.topology.node_id)
-            except ReplicaError as e:
-                log.warning("rank %d: could not drop the copies of world size %d: %s", self.rank, self._old_world, e)
-        self._old_world = 0
-
-    def _stop_for_drain(self, step: int, asked: float) -> None:
-        """This node is being drained (``ffstate drain``): stay at this step, which no rank can pass without this one,
-        until the daemon has it on every holder and takes the node's ranks out of the job (a SIGTERM); past
-        ``Config.drain_hold`` seconds (or when the drain is cancelled) give it up and train on."""
-        log.warning("rank %d: node %s is being drained: stopping at step %d until it leaves the job", self.rank,
-                    self.topology.node_id, step)
-        self.job.record({"event": "drain-stopped", "step": step, "requested_unix": asked, "time": time.time()})
-        self._slots.set_drained(step)
-        deadline = time.monotonic() + self.cfg.drain_hold
-        with self.pause(self.cfg.drain_hold + 60):  # the watchdog does not take the wait for a hang
-            while time.monotonic() < deadline and self._slots.drain()[0] == asked:
-                time.sleep(0.05)
-        self._slots.set_drained(0)
-        self._drain_given_up = asked
-        log.warning("rank %d: the drain of node %s %s; training goes on from step %d", self.rank, self.topology.node_id,
-                    "was cancelled" if self._slots.drain()[0] != asked else
-                    f"did not take this rank out within {self.cfg.drain_hold:.0f}s (Config.drain_hold)", step)
-        self.job.record({"event": "drain-given-up", "step": step})
 
     def stats(self, wait: float = 0.0) -> Stats:
         """What this rank's node daemon reports about it (``reports.Stats``), after waiting up to ``wait`` seconds

@@ -1,5 +1,5 @@
 """Jobs that change shape: resume at another world size from the copies made at the old one (a node lost with no
-spare, a node added), and drain a node out of a job with no step lost (DESIGN.md section 5).
+spare, a node added), and drain a node out of a job with no step lost (docs/design.md section 5).
 
 ``resize`` loads every old rank's copy of v* into this run's objects, resharded: tensors through DCP's own
 planner (``reader``: a ``StorageReader`` over the copies in memory; ``targets``: this run's model and optimizer),

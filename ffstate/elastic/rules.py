@@ -1,4 +1,4 @@
-"""What cannot be resharded by its bytes gets a rule, never a guess (DESIGN.md section 5, at another world size).
+"""What cannot be resharded by its bytes gets a rule, never a guess (docs/design.md section 5, at another world size).
 
 A tensor of the model or optimizer has a place in the global state, and DCP re-slices it. The rest of a rank's
 state has none: the optimizer's hyperparameters, the LR scheduler, the RNG streams and the extras. Each gets
@@ -152,3 +152,31 @@ def _extra(live: Any, olds: list[Any], path: str, old_world: int, new_rank: int,
                        f"with a {HOOK} hook, or make it the job's (the same on every rank)")
         return None
     return olds[0]
+
+
+def warn_early(job: Any, state: dict, extra: Any) -> None:
+    """At a job's first commit, says (rank 0, once) what a resize of this job would refuse, while it is cheap to
+    change: RNG streams that differ across the ranks (one exchange of their checksums) and extras with per-rank
+    state and no hook. A job that never changes shape can ignore it."""
+    if job.world < 2:
+        return
+    sums = {k: codec.pack(v).checksum for k, v in state["rng"].items()}
+    told = job.exchange("resize-readiness", sums, range(job.world), job.cfg.connect_timeout)
+    if job.rank != 0:
+        return
+    found = [f"rng/{k} differs across the ranks" for k in sums if any(t.get(k) != sums[k] for t in told)]
+    found += [f"{path} has per-rank state and no {HOOK} hook" for path in _unhooked(extra, "extra")]
+    if found:
+        log.warning("rank 0: if this job is ever resumed at another world size (torchrun --nnodes MIN:MAX), the resize "
+                    "will be refused: %s. Seed every rank's generators alike or set FFSTATE_RESIZE_RNG=keep; give such "
+                    "extras a hook (docs/elastic.md)", "; ".join(found))
+
+
+def _unhooked(extra: Any, path: str) -> list[str]:
+    if extras.is_stateful(extra):
+        return [] if callable(getattr(extra, HOOK, None)) or _is_global(extra) else [path]
+    if isinstance(extra, dict):
+        return [p for k, v in extra.items() for p in _unhooked(v, f"{path}/{k}")]
+    if isinstance(extra, (list, tuple)):
+        return [p for i, v in enumerate(extra) for p in _unhooked(v, f"{path}/{i}")]
+    return []

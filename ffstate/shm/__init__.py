@@ -1,7 +1,7 @@
 """The shared memory between a worker and its node's daemon: the snapshot slots (``slots``), their
 header page declared as one structure (``header``), the daemon's doorbell (``doorbell``) and the
 training's collective marks for the scheduler (``marks``). Nothing here encodes a state: slots hand
-out bytes (DESIGN.md section 4)."""
+out bytes (docs/design.md section 4)."""
 
 from ffstate.errors import SlotError
 from ffstate.ids import check_id

@@ -1,4 +1,4 @@
-"""The header page of a shared-memory slot, declared once as a structure (DESIGN.md section 4).
+"""The header page of a shared-memory slot, declared once as a structure (docs/design.md section 4).
 
 Every field a worker or its daemon reads or writes through the slot is a named field of ``Header``
 (a ``ctypes`` structure laid over the slot's first page), with the side that writes it. Fields are

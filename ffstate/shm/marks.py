@@ -1,5 +1,5 @@
 """Worker side: marks when the training's collectives are on the wire, in the slot header, for the
-daemon's scheduler (DESIGN.md section 4, step 3). Cheap: a few stores per collective."""
+daemon's scheduler (docs/design.md section 4, step 3). Cheap: a few stores per collective."""
 
 from __future__ import annotations
 

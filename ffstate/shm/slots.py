@@ -1,4 +1,4 @@
-"""Shared-memory snapshot slots between a worker and its node's daemon (DESIGN.md section 4, I2).
+"""Shared-memory snapshot slots between a worker and its node's daemon (docs/design.md section 4, I2).
 
 The daemon creates two slot files per local rank under /dev/shm (a double buffer) and owns them, so
 a snapshot outlives the worker that wrote it. A slot is a page of header (``header.Header``), an area
@@ -204,24 +204,6 @@ class Slots(WorkerFields):
         h = self.headers[0]
         return (h.restores, h.restore_version, h.restore_steps_lost, h.restore_seconds, h.restore_entry_seconds,
                 h.restore_from_world)
-
-    def drain(self) -> tuple[float, int]:
-        """(wall-clock seconds the daemon asked this rank's node to drain, 0.0: not asked; the step the worker
-        stopped at, 0: not stopped)."""
-        if not self.headers:
-            return 0.0, 0
-        return self.headers[0].drain_ns / 1e9, self.headers[0].drained_version
-
-    def set_drain(self, when: float) -> None:
-        """Daemon side: asks the worker to stop at its next commit (``when``: wall-clock seconds; 0.0: cancelled)."""
-        try:
-            self.headers[0].drain_ns = int(when * 1e9)
-        except IndexError:
-            pass
-
-    def set_drained(self, version: int) -> None:
-        """Worker side: it stopped at ``version`` for a drain (0: it went on)."""
-        self.headers[0].drained_version = version
 
     def razor_counters(self) -> tuple[int, int]:
         return (self.headers[0].razor_verifications, self.headers[0].razor_mismatches) if self.headers else (0, 0)

@@ -1,6 +1,7 @@
 """A worker's record of itself in its first slot's header, for its node's watchdog (``daemon/watchdog.py``): its
 process, its signs of life besides commits, a declared pause, where its stacks go; and its commits' times. And,
-for the daemon's pacer, whether its commit is held until replication catches up (the lag policy)."""
+for the daemon's pacer, whether its commit is held until replication catches up (the lag policy); and a drain of
+its node (``daemon/drain.py``): the daemon's request, the step the worker stopped at."""
 
 from __future__ import annotations
 
@@ -86,3 +87,21 @@ class WorkerFields:
         except IndexError:
             return 0.0
         return max(time.time_ns() - since, 1) / 1e9 if since else 0.0
+
+    def drain(self) -> tuple[float, int]:
+        """(wall-clock seconds the daemon asked this rank's node to drain, 0.0: not asked; the step the worker
+        stopped at, 0: not stopped)."""
+        if not self.headers:
+            return 0.0, 0
+        return self.headers[0].drain_ns / 1e9, self.headers[0].drained_version
+
+    def set_drain(self, when: float) -> None:
+        """Daemon side: asks the worker to stop at its next commit (``when``: wall-clock seconds; 0.0: cancelled)."""
+        try:
+            self.headers[0].drain_ns = int(when * 1e9)
+        except IndexError:
+            pass
+
+    def set_drained(self, version: int) -> None:
+        """Worker side: it stopped at ``version`` for a drain (0: it went on)."""
+        self.headers[0].drained_version = version

@@ -1,0 +1,80 @@
+"""The training process's side of a job that changes shape, after each commit: the old world's copies dropped once
+the new shape's are safe, and a drain of this rank's node (``ffstate drain``) obeyed at the step it reached."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, ContextManager
+
+from ffstate.client import Client
+from ffstate.errors import ReplicaError
+from ffstate.job import Job
+from ffstate.shm import Slots
+
+log = logging.getLogger("ffstate.elastic")
+
+
+class ShapeWatch:
+    """``daemon()`` is this node's daemon (it may be replaced); ``pause(seconds)`` declares a wait that is not a
+    hang to the node's watchdog (``Replicated.pause``)."""
+
+    def __init__(self, job: Job, daemon: Callable[[], Client], pause: Callable[[float], ContextManager]):
+        self.job, self.daemon, self.pause = job, daemon, pause
+        self.old_world = 0  # after a resize: the old world size, until its copies are dropped
+        self.start_step = 0
+        self._marked = False  # after a resize: this rank has a copy of a version past v*
+        self._given_up = 0.0  # the drain request this rank stopped for and then gave up (Config.drain_hold)
+
+    def resized(self, old_world: int, version: int) -> None:
+        """This rank resumed at ``version`` from copies made at ``old_world`` ranks (0: its own world size)."""
+        self.old_world, self.start_step = old_world, version
+
+    def after_commit(self, step: int, slots: Slots | None, copied: int) -> None:
+        """After the commit of ``step``: ``copied`` is the newest version of this rank that survives its node (its
+        replicated version; its last commit where it has no holders)."""
+        if self.old_world:
+            self._drop_old_world(copied)
+        asked = slots.drain()[0] if slots is not None else 0.0  # None: its daemon was lost just now
+        if asked and asked != self._given_up:
+            self._stop_for_drain(step, asked, slots)
+
+    def _drop_old_world(self, copied: int) -> None:
+        """The old world's copies are kept until every rank of this one has a copy of a version past v* (a failure
+        until then resizes from them again); then each node's first rank drops them from its daemon."""
+        job = self.job
+        if not self._marked and copied > self.start_step:
+            job.mark("resized-copy")
+            self._marked = True
+        if not self._marked:
+            return
+        if job.topology.first_on_node:
+            if not job.all_marked("resized-copy"):
+                return
+            try:
+                n = self.daemon().drop(job.job, -1, self.old_world, only_world=True)
+                log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size %d from "
+                         "node %s's daemon", job.rank, job.world, n, self.old_world, job.topology.node_id)
+            except ReplicaError as e:
+                log.warning("rank %d: could not drop the copies of world size %d: %s", job.rank, self.old_world, e)
+        self.old_world = 0
+
+    def _stop_for_drain(self, step: int, asked: float, slots: Slots) -> None:
+        """This node is being drained: stay at this step, which no rank can pass without this one, until the daemon
+        has it on every holder and takes the node's ranks out of the job (a SIGTERM); past ``Config.drain_hold``
+        seconds (or when the drain is cancelled) give it up and train on."""
+        job, hold = self.job, self.job.cfg.drain_hold
+        log.warning("rank %d: node %s is being drained: stopping at step %d until it leaves the job", job.rank,
+                    job.topology.node_id, step)
+        job.record({"event": "drain-stopped", "step": step, "requested_unix": asked, "time": time.time()})
+        slots.set_drained(step)
+        deadline = time.monotonic() + hold
+        with self.pause(hold + 60):  # the watchdog does not take the wait for a hang
+            while time.monotonic() < deadline and slots.drain()[0] == asked:
+                time.sleep(0.05)
+        slots.set_drained(0)
+        self._given_up = asked
+        log.warning("rank %d: the drain of node %s %s; training goes on from step %d", job.rank, job.topology.node_id,
+                    "was cancelled" if slots.drain()[0] != asked else
+                    f"did not take this rank out within {hold:.0f}s (Config.drain_hold)", step)
+        job.record({"event": "drain-given-up", "step": step})
