@@ -20,9 +20,9 @@ From those, two comparisons:
     failure cost: restore + recomputing the lost steps.
 
 With ``--resize`` (``resize.py``), also a job resumed at another world size from the replicas against
-``dcp.load`` at the new size, and a drain's downtime under an elastic torchrun.
+``dcp.load`` at the new size; with ``--drain``, a drain's downtime under an elastic torchrun.
 
-Usage: ``ffstate bench recovery [--sizes small,medium] [--repeats 5] [--dir PATH] [--resize]``. Prints a table;
+Usage: ``ffstate bench recovery [--sizes small,medium] [--repeats 5] [--dir PATH] [--resize] [--drain]``. Prints a table;
 writes ``bench/results/recovery.json`` and a PNG plot beside it.
 """
 
@@ -191,7 +191,8 @@ def _after(step, protect):
     return fn
 
 
-def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path, resize: bool = False) -> dict:
+def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path, resize: bool = False,
+        drain: bool = False) -> dict:
     token = secrets.token_hex(8)
     work = Path(tempfile.mkdtemp(prefix="ffstate-recovery-", dir=work_dir))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_ports(1)}", rank=0, world_size=1)
@@ -208,10 +209,11 @@ def run(sizes: list[str], repeats: int, work_dir: Path | None, out_dir: Path, re
                 os.environ[k] = v
     result = {"benchmark": "recovery", "environment": environment("cpu"),
               "config": {"sizes": sizes, "repeats": repeats, "checkpoint_dir": str(work.parent)}, "sizes": sizes_out}
-    if resize:
-        from ffstate.bench import resize as resize_bench
+    from ffstate.bench import resize as resize_bench
 
+    if resize:
         result["resize"] = resize_bench.measure_resize(sizes[0], repeats)
+    if drain:
         result["drain"] = resize_bench.measure_drain(sizes[0])
     return publish(out_dir, "recovery", result, report, plot)
 
@@ -275,14 +277,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", type=Path, help="where the baselines write their checkpoints (default: the temp dir)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
     p.add_argument("--resize", action="store_true", help="also a job resumed at another world size from the replicas "
-                   "against dcp.load, and a drain's downtime (torchrun jobs; the drain needs root)")
+                   "against dcp.load at the new size (torchrun jobs)")
+    p.add_argument("--drain", action="store_true", help="also a drain's downtime under torchrun --nnodes 1:2 (two "
+                   "network namespaces: needs root)")
 
 
 def main(args: argparse.Namespace) -> int:
     sizes = [s for s in args.sizes.split(",") if s]
     if not set(sizes) <= set(SIZES):
         raise SystemExit(f"--sizes takes {sorted(SIZES)}")
-    run(sizes, args.repeats, args.dir, args.out, resize=args.resize)
+    run(sizes, args.repeats, args.dir, args.out, resize=args.resize, drain=args.drain)
     return 0
 
 

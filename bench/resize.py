@@ -1,4 +1,4 @@
-"""The resize and drain parts of the recovery benchmark (``ffstate bench recovery --resize``).
+"""The resize and drain parts of the recovery benchmark (``ffstate bench recovery --resize --drain``).
 
 - **Resize from the replicas against ``dcp.load`` at the new size.** A 4-rank DDP job (2 simulated nodes, TinyGPT
   + AdamW) trains a few steps, saving each with ``dcp.save`` too; node 1 is lost (its ranks and its daemon

@@ -31,11 +31,10 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
         for mode in ("persist", "async-save"):  # versions written to disk (or skipped while one was written)
             row = result["jobs"]["ddp @ loopback"][mode]
             assert row["saved"] > 0 and row["saved"] + row["skipped"] > 0, (mode, row)
-    if name == "recovery":  # the resize from the replicas, and the drain where namespaces can be made
+    if name == "recovery":  # the resize from the replicas (the drain: test_elastic_torchrun.py)
         from ffstate import Config
 
         assert 0 <= result["resize"]["steps_lost"] <= Config().max_lag and result["resize"]["dcp_load_seconds"] > 0
-        assert result["drain"].get("steps_lost", 0) == 0, result["drain"]
 
 
 def test_simulation_answers_the_way_the_model_says():
