@@ -1,5 +1,5 @@
 """A worker's commit into its rank's slots: the captured state packed into the free slot's bytes, then
-published (one copy; DESIGN.md section 4, step 1). The slots hand out the bytes; the codec packs them."""
+published (one copy; docs/design.md section 4, step 1). The slots hand out the bytes; the codec packs them."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ class FFStateError(Exception):
 class CodecError(FFStateError):
     """A state, snapshot or encoded version is malformed, corrupted, or does not match its base.
 
-    Raised instead of ever returning a wrong state (DESIGN.md I1, I2, I6).
+    Raised instead of ever returning a wrong state (docs/design.md I1, I2, I6).
     """
 
 

@@ -1,6 +1,6 @@
 """The job's coordination through its torch.distributed store: who this rank is, the attempt every rank
 agrees on, the keys it writes under, a barrier, the published replicated versions (whose minimum over
-ranks is the job's global committed version, DESIGN.md section 4, step 5), the node daemons' addresses,
+ranks is the job's global committed version, docs/design.md section 4, step 5), the node daemons' addresses,
 and the job's event log. One place, so that the trainer, recovery and the razor never build a key."""
 
 from __future__ import annotations

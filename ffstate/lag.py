@@ -1,4 +1,4 @@
-"""How far replication lags behind this rank's commits, and what the lag policy does about it (DESIGN.md I4).
+"""How far replication lags behind this rank's commits, and what the lag policy does about it (docs/design.md I4).
 
 The daemon writes the newest version every holder of the rank has into the slot header; a commit reads it
 there (one load). Only past ``max_lag`` versions behind does the rank ask its daemon, which is also how a

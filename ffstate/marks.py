@@ -1,4 +1,4 @@
-"""The pacing marks of a training's collectives (DESIGN.md section 4, step 3): DDP's gradient all-reduce as a
+"""The pacing marks of a training's collectives (docs/design.md section 4, step 3): DDP's gradient all-reduce as a
 communication hook and its buffer broadcast wrapped, and FSDP2's all-gathers and reduce-scatters wrapped, each
 marking in the slot header (``shm.CommMarks``) when it is on the wire. The arithmetic and the calls are the
 frameworks' own, so a run with the marks is bit for bit the run without them."""

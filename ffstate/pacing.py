@@ -1,4 +1,4 @@
-"""The signals a worker gives its daemon's scheduler (DESIGN.md section 4, step 3): marks of DDP's or
+"""The signals a worker gives its daemon's scheduler (docs/design.md section 4, step 3): marks of DDP's or
 FSDP2's collectives in the slot header (``marks.py``), or, where nothing marks them, the timeline of a
 few profiled steps (``profiling.py``). Chosen once per model: a DDP model takes one communication hook,
 ever, and a timeline found stays with the model across ``replicate`` contexts."""

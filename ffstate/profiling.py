@@ -1,5 +1,5 @@
 """A few profiled steps give the scheduler the training's communication timeline where nothing marks it
-(DESIGN.md section 4, step 3).
+(docs/design.md section 4, step 3).
 
 DDP (its communication hook) and FSDP2 (its collectives' seams) mark each collective as it runs
 (``shm.CommMarks``). A training loop with neither (gradients all-reduced by hand, tensor parallelism,

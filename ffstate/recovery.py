@@ -1,4 +1,4 @@
-"""Recovery: survey -> v* -> fetch -> load (DESIGN.md section 5, I3).
+"""Recovery: survey -> v* -> fetch -> load (docs/design.md section 5, I3).
 
 Every rank lists the versions it could restore, of every shard it needs (its own and, under the razor,
 its group's parts), from every source: its node's slots, the daemons holding replicas and what they can

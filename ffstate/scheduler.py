@@ -1,6 +1,6 @@
 """The bandwidth-aware scheduler: paces the replicator's chunks into the training's idle network windows.
 
-DESIGN.md section 4, step 3. The replicator asks ``before_chunk`` before each chunk it sends; the
+docs/design.md section 4, step 3. The replicator asks ``before_chunk`` before each chunk it sends; the
 scheduler lets it go when
 
 - the training has no collective on the wire now (its workers mark each DDP gradient bucket's
@@ -18,7 +18,7 @@ setting); else it starts from the first push (sent unpaced: the probe) and follo
 average of real pushes, each timed less the time the scheduler held it. Chunks are cut to take a
 few milliseconds on the slowest link, so that they fit between collectives. When a holder falls
 ``deadline`` versions behind, the scheduler stops waiting for windows and pacing (replication must
-stay within the lag, DESIGN.md I4), and counts and logs it.
+stay within the lag, docs/design.md I4), and counts and logs it.
 
 The pacing must not cost a step on a node loss: what a holder lacks is due there before the workers'
 next commit (the newest commit plus the median step). It goes in the windows while that leaves time,

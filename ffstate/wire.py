@@ -1,5 +1,5 @@
 """The wire constants the client and the daemon's servicer share: the service's method table, the token's
-metadata key, the message bound, and the one-copy framing of chunk payloads (DESIGN.md I6; the
+metadata key, the message bound, and the one-copy framing of chunk payloads (docs/design.md I6; the
 messages themselves are ``proto/ffstate/v1/replica.proto``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ffstate._proto import replica_pb2 as pb
 
 SERVICE = "ffstate.v1.Replica"
 TOKEN_KEY = "ffstate-token"  # metadata of every call
-# gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (DESIGN.md I6).
+# gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (docs/design.md I6).
 DEFAULT_MAX_MESSAGE = 64 << 20
 
 

@@ -2,7 +2,7 @@
 
 Every tensor is compared by its bit pattern (``torch.equal`` on a uint8 view), so -0.0 vs 0.0 and NaN
 payloads count as differences; dtype, shape, device, ``requires_grad`` and container types must match
-too, dict keys in the same order and of the same types, floats by their 8 bytes (DESIGN.md I1).
+too, dict keys in the same order and of the same types, floats by their 8 bytes (docs/design.md I1).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ else:
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
-    # Must be set before triton is first imported; lets the kernels run on CPU tensors (DESIGN.md I7).
+    # Must be set before triton is first imported; lets the kernels run on CPU tensors (docs/design.md I7).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from daemons import daemons, module_daemons  # noqa: E402,F401  (fixtures that run real `ffstate serve` processes)

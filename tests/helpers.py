@@ -45,3 +45,25 @@ def train_states(steps: int, seed: int = 0, **model_kw: Any):
                 "extra": {"step": step + 1, "loss": loss.item(), "loader": {"epoch": 0, "offset": (step + 1) * 8}},
             }
         )
+
+
+# A torchrun entry point that runs a script (argv[1]) with rank 1 SIGKILLed right after its commit of step
+# $KILL_AT, once ($KILL_MARKER): the failure injected into the README's and the docs' examples as written.
+KILL_WRAPPER = '''
+import os, runpy, signal, sys
+import ffstate.trainer
+
+KILL_AT, MARKER = int(os.environ.get("KILL_AT", "0")), os.environ.get("KILL_MARKER", "")
+real = ffstate.trainer.Replicated.commit
+
+
+def commit(self, step):
+    real(self, step)
+    if step == KILL_AT and self.rank == 1 and not os.path.exists(MARKER):
+        open(MARKER, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+ffstate.trainer.Replicated.commit = commit
+runpy.run_path(sys.argv[1], run_name="__main__")
+'''

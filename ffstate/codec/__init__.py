@@ -1,5 +1,5 @@
 """The lossless snapshot codec: pack a state into one flat buffer, encode it (full, or an XOR delta
-against a base) into checksummed chunks, and back, bit for bit (DESIGN.md I1, I2, I6).
+against a base) into checksummed chunks, and back, bit for bit (docs/design.md I1, I2, I6).
 
 Two levels:
 

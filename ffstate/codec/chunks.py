@@ -1,6 +1,6 @@
 """An encoded version as it travels: chunk 0 is the JSON header, chunks 1.. are segments of the packed
 buffer, each with its checksum (docs/wire-format.md); and the checks a received chunk list passes
-before anything is decoded (complete, in order, one version's, every checksum right: DESIGN.md I6)."""
+before anything is decoded (complete, in order, one version's, every checksum right: docs/design.md I6)."""
 
 from __future__ import annotations
 

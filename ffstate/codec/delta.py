@@ -1,6 +1,6 @@
 """Buffer <-> chunks: a snapshot encoded in full or as an XOR delta against a base (byte planes, compacted:
 ``ffstate.planes``), decoded and verified end to end, applied in place onto its base, or reverted (XOR
-deltas are their own inverse: DESIGN.md I2, I3). A failure leaves every buffer as it was. And the
+deltas are their own inverse: docs/design.md I2, I3). A failure leaves every buffer as it was. And the
 state-level ``encode``/``decode`` on top."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def decode_snapshot(
     The result's buffer is on ``device`` for a full version, on the base's device for a delta (a
     CUDA buffer is decoded by the Triton kernels). With ``inplace``, a delta is applied to
     ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
-    as it was, since an XOR delta applied twice is undone (DESIGN.md I2).
+    as it was, since an XOR delta applied twice is undone (docs/design.md I2).
     ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
     budget allows); the chunk count is checked against the manifest before anything is allocated.
 
@@ -114,7 +114,7 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
     """Steps ``snapshot`` (the version a delta produced) back to the delta's base, in place.
 
     XOR deltas are their own inverse, so a replica keeps its last deltas instead of old copies
-    (DESIGN.md I3). The delta carries only the new version's scalars: ``base_scalars`` are the
+    (docs/design.md I3). The delta carries only the new version's scalars: ``base_scalars`` are the
     base's. On any failure the buffer is left as it was.
 
     Raises:

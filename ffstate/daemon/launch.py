@@ -1,5 +1,5 @@
 """Finding the node's daemon from a worker, or starting it: the node's first rank starts ``ffstate serve``
-when nothing answers at the node's address (DESIGN.md section 7), with a command line built from one
+when nothing answers at the node's address (docs/design.md section 7), with a command line built from one
 ``DaemonConfig``; the daemon outlives the worker and torchrun's restarts of it."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The node's replica runtime, free of protobuf and gRPC: its local ranks' slots and their replication,
-the replicas it holds for other nodes (the store), and the report of all of it (DESIGN.md sections 1, 4).
+the replicas it holds for other nodes (the store), and the report of all of it (docs/design.md sections 1, 4).
 
 ``Node`` is what the servicer (``servicer.py``) calls and the metrics (``metrics.py``) read through
 ``report()``. Every refusal is a ``ReplicaError`` (or ``CodecError`` / ``SlotError``) whose message
@@ -265,7 +265,7 @@ class Node:
         self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
         try:
             got = copy_verified(shard.slots, version)
-            if got is None and version:  # older than the slots: step the daemon's copy back (DESIGN.md I3)
+            if got is None and version:  # older than the slots: step the daemon's copy back (docs/design.md I3)
                 with shard.lock:
                     snap = shard.stepped_back(version)
                 got = (version, snap) if snap is not None else None

@@ -1,5 +1,5 @@
 """The daemon's flush of its local ranks' committed versions to the persistent tier, off the training path
-(DESIGN.md section 6; the format is ``ffstate/persist/``).
+(docs/design.md section 6; the format is ``ffstate/persist/``).
 
 The replicator offers each version it takes from a rank's slots (``offer``, in its own thread, while the slot
 cannot change); a version whose step is a multiple of ``persist_every`` is copied once (the copy counted

@@ -5,11 +5,11 @@ version in order, straight from the slot (no copy), as a delta against the previ
 that the worker did not rewrite the slot meanwhile, and marks the slot *taken*: under the block
 policy the worker waits for that mark before it overwrites a slot, so every version reaches the
 chain of deltas and every holder gets every version in order. That keeps the holders' versions
-aligned across ranks, so that after a node is lost some version is common to all ranks (DESIGN.md
+aligned across ranks, so that after a node is lost some version is common to all ranks (docs/design.md
 I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
 copy of the newest version (the base of the next delta) follows by one copy of the slot. A
 holder that is down, or answers that it lacks a base, gets a full version at its next turn, after
-a backoff. The pacer (``ffstate.scheduler``) decides when each chunk goes (DESIGN.md section 4,
+a backoff. The pacer (``ffstate.scheduler``) decides when each chunk goes (docs/design.md section 4,
 step 3) and learns the link from each push.
 """
 

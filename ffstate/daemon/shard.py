@@ -1,7 +1,7 @@
 """One local rank's replication state, as the replicator keeps it: its holders (what each has acknowledged, its
 backoff, whether it is down or must step back first), the daemon's copy of the rank's newest version (the base
 of the next delta) and the chain of the last deltas, which serves holders that lag and steps the node's own copy
-back (DESIGN.md I3). The replicator (``replicator.py``) runs the loop over them."""
+back (docs/design.md I3). The replicator (``replicator.py``) runs the loop over them."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class LocalShard:
     base: Snapshot | None = None  # the daemon's copy of the newest version read from the slots
     base_version: int = 0
     # (version, version before, delta, scalars before): the last ``keep`` deltas, for the holders that lag
-    # and for stepping the local copy back (a node lost while its holders lagged: DESIGN.md I3)
+    # and for stepping the local copy back (a node lost while its holders lagged: docs/design.md I3)
     chain: list = field(default_factory=list)
     wake: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)  # a round, or a reset, at a time

@@ -2,7 +2,7 @@
 W applied deltas, under a memory budget that is never exceeded.
 
 A pushed version is staged chunk by chunk (each checksum verified) and becomes the held version
-only at commit, when the whole version's checksum matches (DESIGN.md I2): a push that breaks off,
+only at commit, when the whole version's checksum matches (docs/design.md I2): a push that breaks off,
 or a commit that fails, leaves the replica exactly at its previous version. XOR deltas are their
 own inverse, so the kept deltas step a replica back without a second copy (I3). Every byte held is
 reserved against the budget before it is allocated; a request that would exceed it is refused

@@ -4,7 +4,7 @@ The buffer holds every tensor's bytes, grouped by dtype so that each group is a 
 elements (the codec splits a group into byte planes). Offsets are 64-byte aligned and the padding
 is zero. The manifest carries the structure (dicts, lists, tuples, keys), every Python scalar
 (floats by their bit pattern, so -0.0 and NaN payloads survive), and each tensor's name, dtype,
-shape and offset. It is never pickle: it is safe to build from untrusted bytes (DESIGN.md I6).
+shape and offset. It is never pickle: it is safe to build from untrusted bytes (docs/design.md I6).
 
 The *layout* of a manifest is everything except the scalar values and devices; two states with the
 same layout (same ``layout_id``) can be XOR-delta'd against each other.

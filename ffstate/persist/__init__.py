@@ -1,4 +1,4 @@
-"""The persistent tier (DESIGN.md section 6): each node's daemon flushes its local ranks' committed versions to
+"""The persistent tier (docs/design.md section 6): each node's daemon flushes its local ranks' committed versions to
 ``Config.persist_dir`` in the torch.distributed.checkpoint format, off the training path, and a job that finds
 no live copy (every node lost, new machines) resumes from the newest complete one, bit for bit.
 

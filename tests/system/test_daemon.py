@@ -411,7 +411,7 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
 
 def test_local_copy_steps_back_through_the_deltas_it_keeps(pair, tmp_path):
     """The node's own copy of a rank reaches back keep_deltas (W + 1) versions, not just the two slots: after a
-    node loss, its ranks may have to go back to the version the lost node's replicas had (DESIGN.md I3)."""
+    node loss, its ranks may have to go back to the version the lost node's replicas had (docs/design.md I3)."""
     a, b = pair
     b.kill()  # the holder is gone: A's copy is all there is
     _, states = run_writer(a, "j11", 7, tmp_path, "--wait-taken")

@@ -1,7 +1,9 @@
-"""The README's codec example runs as written."""
+"""The README's examples run as written."""
 
 import re
 from pathlib import Path
+
+from helpers import KILL_WRAPPER
 
 
 def test_readme_codec_example_runs(capsys):
@@ -34,24 +36,6 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
     assert "done at step 4, resumed from step 0" in out.stdout
 
 
-KILL_WRAPPER = '''
-import os, runpy, signal, sys
-import ffstate.trainer
-
-KILL_AT, MARKER = int(os.environ.get("KILL_AT", "0")), os.environ.get("KILL_MARKER", "")
-real = ffstate.trainer.Replicated.commit
-
-
-def commit(self, step):
-    real(self, step)
-    if step == KILL_AT and self.rank == 1 and not os.path.exists(MARKER):
-        open(MARKER, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-ffstate.trainer.Replicated.commit = commit
-runpy.run_path(sys.argv[1], run_name="__main__")
-'''
 
 
 def test_readme_bit_exact_resume_example_resumes_bit_exact_at_an_epochs_end(tmp_path):

@@ -1,4 +1,4 @@
-"""The tree keeps DESIGN.md's picture: imports point one way, files and classes stay readable in one
+"""The tree keeps docs/design.md's picture: imports point one way, files and classes stay readable in one
 sitting, and the layers that must not know each other do not (issue: one idea per file)."""
 
 from __future__ import annotations
