@@ -11,7 +11,8 @@ so it watches them, with no thread in the training process and no code in the us
   the rank's collectives were in flight (its marks, ``shm.CommMarks``) are its **compute** time.
 - **Deadline.** ``hang_multiple`` (10) median steps, at least ``hang_floor`` (60 s) and at most
   ``hang_ceiling`` (600 s, below NCCL's default timeout); ``hang_startup`` (600 s) until the rank's third
-  commit after it attached (compilation, the DDP shadow step and a restore take their own time). It counts
+  commit after it attached (the worker counts its commits in its slot header: steps much shorter than a look
+  end the warm-up as surely as long ones) (compilation, the DDP shadow step and a restore take their own time). It counts
   from the rank's newest commit, or its newest sign of life: its attach, the end of an ``ff.pause()``
   (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang), the
   end of a commit held by the lag policy on any of the job's local ranks (``lag.py``: bounded on its own, and
@@ -65,7 +66,7 @@ class RankWatch:
     pid: int
     attached: float  # wall-clock seconds of its attach
     newest: tuple[int, float] = (0, 0.0)  # (version, commit time) of its newest commit since the attach
-    commits: int = 0  # commits seen since the attach
+    commits: int = 0  # commits since the attach (the worker counts them in its slot header)
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     acted: bool = False  # declared hung (once per attach)
@@ -145,7 +146,7 @@ class Watchdog:
         seen: dict[ShardKey, tuple] = {}
         for key, slots in self.shards():
             try:
-                seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1])
+                seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1], slots.commit_count())
                 if slots.lag_held():
                     self.held_seen[key.job_id] = now
             except (ValueError, OSError, TypeError):  # slots closed meanwhile
@@ -156,13 +157,14 @@ class Watchdog:
                 del self.ranks[key]
             for job in set(self.held_seen) - {k.job_id for k in seen}:
                 del self.held_seen[job]
-            for key, (worker, commits, intervals) in seen.items():
+            for key, (worker, commits, intervals, count) in seen.items():
                 if worker is None:
                     continue
                 w = self.ranks.get(key)
                 if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh
                     w = self.ranks[key] = RankWatch(worker.pid, worker.alive)
                 self._observe(w, commits, intervals)
+                w.commits = count  # every commit since the attach, however many came between two looks
                 since = now - max(w.newest[1], worker.alive, w.attached, self.held_seen.get(key.job_id, 0.0))
                 paused = worker.paused_until > now
                 deadline = self._deadline(w)
@@ -180,9 +182,10 @@ class Watchdog:
         mine = [(v, t, h) for v, t, h in commits if t >= w.attached]
         if not mine or mine[-1][:2] == w.newest:
             return
-        w.commits += max(1, mine[-1][0] - w.newest[0]) if w.newest[0] else 1
         w.newest = mine[-1][:2]
-        if len(mine) == 2 and mine[1][0] == mine[0][0] + 1 and mine[1][1] > mine[0][1]:
+        # The two slots hold the worker's two newest commits: one step between them, or several when it commits
+        # every few steps (its deadline is then a multiple of that interval).
+        if len(mine) == 2 and mine[1][1] > mine[0][1]:
             (_, a, _), (_, b, held) = mine
             w.steps.append(b - a)
             # Its compute: the step less its waits in the collectives and in a commit held by the lag policy.

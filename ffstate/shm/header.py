@@ -106,6 +106,8 @@ class Header(ctypes.LittleEndianStructure):
         # commit. Worker, slot 0: the step it stopped at (0: not stopped).
         ("drain_ns", _u64),
         ("drained_version", _u64),
+        # Worker, slot 0: its commits since it attached (the watchdog's warm-up counts commits, not its looks).
+        ("commit_count", _u64),
     ]
 
 

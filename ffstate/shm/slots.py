@@ -251,6 +251,7 @@ class Slots(WorkerFields):
         h.version, h.scalars_len, h.commit_ns, h.held_ns = version, len(raw), time.time_ns(), self.held_pending
         self.held_pending = 0
         h.seq += 1  # even: committed
+        self.headers[0].commit_count += 1
         if self._bell is not None:
             self._bell.ring()
 

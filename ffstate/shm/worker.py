@@ -54,7 +54,12 @@ class WorkerFields:
         h.stacks_len = len(raw)
         h.paused_until_ns = 0
         h.alive_ns = time.time_ns()
+        h.commit_count = 0
         h.worker_pid = pid
+
+    def commit_count(self) -> int:
+        """The worker's commits since it attached (``set_worker``)."""
+        return self.headers[0].commit_count if self.headers else 0
 
     def set_alive(self) -> None:
         """A sign of life other than a commit: the watchdog counts the deadline from it."""

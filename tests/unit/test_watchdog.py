@@ -16,9 +16,11 @@ class FakeSlots:
         self.done: list[tuple[int, float]] = []
         self.intervals: list[tuple[float, float]] = []
         self.held = 0.0  # seconds its commit has been held by the lag policy (0: not held)
+        self.count = 0  # commits since the attach, as the worker counts them
 
     def commit(self, version: int, t: float, waited: float = 0.0, held: float = 0.0) -> None:
         self.done = (self.done + [(version, t, held)])[-2:]
+        self.count += 1
         if waited:
             self.intervals.append((t - waited - 0.01, t - 0.01))
 
@@ -33,6 +35,9 @@ class FakeSlots:
 
     def lag_held(self):
         return self.held
+
+    def commit_count(self):
+        return self.count
 
 
 def make(cfg: DaemonConfig, shards: dict):
@@ -184,3 +189,25 @@ def test_where_reads_the_main_thread_from_a_faulthandler_dump():
     assert where('Current thread 0x1 (most recent call first):\n  File "/w/train.py", line 9 in hang\n') == \
         'File "/w/train.py", line 9 in hang'
     assert where("") == "no stack written"
+
+
+def test_steps_much_shorter_than_a_look_end_the_warm_up_and_a_hang_after_them_is_acted_on(monkeypatch):
+    """30 ms steps: a rank's first 7 commits all come between two looks, and then it hangs. Its warm-up counts its
+    commits (7), not the looks that saw them (1), so its deadline is the step-based one (the floor), not the
+    startup allowance, and it is acted on once past it."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    key = ShardKey("j", 0, 4)
+    slots = FakeSlots(os.getpid() + 10_000, 1000.0)
+    cfg = DaemonConfig(hang_floor=2.0, hang_ceiling=8.0, hang_startup=600.0, hang_multiple=10.0)
+    dog, clock, signals = make(cfg, {key: slots})
+    for v in range(1, 8):  # between two looks
+        clock["now"] += 0.03
+        slots.commit(v, clock["now"])
+    dog.look()
+    assert dog.report(key).deadline_seconds == 2.0  # 10 x 0.03 s, raised to the floor
+    clock["now"] += 1.5
+    dog.look()
+    assert not signals
+    clock["now"] += 1.0  # 2.5 s after its last commit: past the deadline
+    dog.look()
+    assert (slots.record.pid, signal.SIGKILL) in signals
