@@ -227,11 +227,13 @@ class Client:
         req = pb.StepBackRequest(shard=shard(job_id, rank, world_size), version=version)
         return self._call(f"step back of {job_id}/{rank} to {version}", lambda: self._step_back(req, **self._kw()))
 
-    def drop(self, job_id: str, rank: int = -1, world_size: int = 1, only_world: bool = False) -> int:
-        """Drops one shard, or with ``rank=-1`` every shard of the job (and its slots), or with ``only_world`` every
-        shard made at ``world_size``."""
+    def drop(self, job_id: str, rank: int = -1, world_size: int = 1, only_world: bool = False,
+             timeout: float | None = None) -> int:
+        """Drops one shard, or with ``rank=-1`` every shard of the job (and its slots: the job's end, when the daemon
+        flushes the last versions to its persistent tier first), or with ``only_world`` every shard made at
+        ``world_size``."""
         req = pb.DropRequest(shard=pb.ShardKey(job_id=job_id, rank=rank, world_size=world_size), only_world=only_world)
-        return self._call(f"drop of {job_id}", lambda: self._drop(req, **self._kw())).dropped
+        return self._call(f"drop of {job_id}", lambda: self._drop(req, **self._kw(timeout))).dropped
 
     def drain(self, job_id: str = "", leave: bool = True, cancel: bool = False, query: bool = False) -> pb.DrainResult:
         """Drains this daemon's node out of a job, cancels a drain, or (``query``) reports one (``daemon/drain.py``)."""

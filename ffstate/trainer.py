@@ -16,14 +16,16 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from ffstate import capture, extras, layout, placement, razor, recovery, shm, wire
+from ffstate import capture, extras, layout, persist, placement, razor, recovery, shm, wire
 from ffstate.commit import SlotWriter
 from ffstate.config import Config
 from ffstate.daemon import launch
+from ffstate.daemon.persister import FINAL_WAIT
 from ffstate.elastic import resize, rules
 from ffstate.elastic.reader import KEYS, keys_tensor
 from ffstate.elastic.worker import ShapeWatch
@@ -184,10 +186,19 @@ class Replicated:
         razor_info = self.razor.finished(self._slots.manifest) if self._slots is not None else {}
         job.record({"event": "finished", "step": self._last, "global_committed": job.global_committed, **razor_info})
         if self.topology.first_on_node:
-            try:
-                self.daemon.drop(job.job)
+            try:  # the daemon writes the job's last versions to its persistent tier first
+                self.daemon.drop(job.job, timeout=FINAL_WAIT + 30)
             except ReplicaError as e:
                 log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
+        if self.cfg.persist_dir:
+            job.barrier("dropped")
+            if self.rank == 0:
+                done = persist.complete_versions(Path(self.cfg.persist_dir) / job.job, job.world)
+                if self._last in done:
+                    log.info("rank 0: the last step, %d, is in the persistent tier (%s)", self._last, self.cfg.persist_dir)
+                else:
+                    log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: "
+                                "%s); see the daemons' logs", self._last, done[-1] if done else "none")
         self._close()
 
     def _register_stacks(self) -> None:

@@ -20,12 +20,12 @@ from typing import Iterable
 
 from ffstate import codec, persist, shm
 from ffstate.client import Client, Tls
-from ffstate.codec import Packed, Snapshot
+from ffstate.codec import Packed
 from ffstate.config import DaemonConfig
 from ffstate.daemon.drain import Drainer
 from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
-from ffstate.daemon.shard import LocalShard
+from ffstate.daemon.shard import LocalShard, copy_verified
 from ffstate.daemon.store import IncomingChunk, Store
 from ffstate.daemon.watchdog import Watchdog
 from ffstate.errors import FFStateError, ReplicaError
@@ -284,6 +284,9 @@ class Node:
     def drop(self, job_id: str, rank: int | None, world: int | None = None) -> int:
         """Drops a job's shard (``rank``) or all (None) of world size ``world`` (None: any), replicas and slots."""
         job = check_id(job_id, "job id")
+        if rank is None and world is None and self.persister is not None:  # the job's end: its last steps to disk
+            if said := self.persister.final([s for s in self._shards() if s.key.job_id == job]):
+                log.info("job %s ended: %s", job, "; ".join(said))
         n = self.store.drop(job, rank, world)
         with self._lock:
             gone = [k for k in self.local if k.job_id == job and (rank is None or k.rank == rank)
@@ -291,8 +294,7 @@ class Node:
             shards = [self.local.pop(k) for k in gone]
         for s in shards:
             self._close_local(s)
-        # Only the job's end empties an auto-started daemon (a rank dropped for a new layout re-attaches at once; a
-        # resized job drops its old world's copies and trains on).
+        # Only the job's end empties an auto-started daemon (a relayout re-attaches; a resized job trains on).
         if self.cfg.exit_when_empty and rank is None and world is None and not self.local and not self.store.inventory():
             log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting, %d bytes "
                      "accounted", self.store.used)
@@ -376,12 +378,3 @@ def _local_report(key: ShardKey, s: LocalShard, watch: WatchReport | None = None
                        s.reserved, s.last_push, str(s.paths[0].parent), s.replicated_version, razor, s.pushed_bytes,
                        s.pushed_versions, restore, profiled, queue_versions=max(0, s.base_version - s.replicated_version),
                        pushed_raw_bytes=s.pushed_raw_bytes, watch=watch)
-
-
-def copy_verified(slots: shm.Slots, version: int = 0) -> tuple[int, Snapshot] | None:
-    """(version, a verified private copy) of the newest committed slot, or of ``version`` if given."""
-    got = slots.read(version, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
-    if got is None:
-        return None
-    view, buf = got
-    return view.version, Snapshot(slots.manifest.with_scalars(view.scalars), buf, view.checksum)

@@ -1,16 +1,17 @@
 """The daemon's flush of its local ranks' committed versions to the persistent tier, off the training path
 (docs/design.md section 6; the format is ``ffstate/persist/``).
 
-The replicator offers each version it takes from a rank's slots (``offer``, in its own thread, while the slot
-cannot change); a version whose step is a multiple of ``persist_every`` is copied once (the copy counted
-against the daemon's memory budget) into an anonymous in-memory file and queued. One thread hands the queue
-to the daemon's flushing process (``flusher.py``: the writing is Python, and out of the daemon's interpreter
-it cannot hold up the replicator): each rank's files, then the version made complete once every rank of the
-job has its record, then the old versions removed. One version is written at a time: a version offered
-while an older one is still being written is skipped, for every local rank alike (counted, logged), so that
-the disk sets the pace and never the training. Whatever the filesystem does (full, read-only, gone, slow)
-is logged, rate-limited, and counted; the daemon goes on and the training never sees it.
-"""
+The replicator offers each version it takes from
+a rank's slots (``offer``, in its own thread, while the slot cannot change); a version whose step is a multiple
+of ``persist_every`` is copied once (the copy counted against the daemon's memory budget) into an anonymous
+in-memory file and queued. One thread hands the queue to the daemon's flushing process (``flusher.py``: the writing
+is Python, and out of the daemon's interpreter it cannot hold up the replicator): each rank's files, then the
+version made complete once every rank of the job has its record, then the old versions removed. One version is
+written at a time: a version offered while an older one is still being written is skipped, for every local rank
+alike (counted, logged), so that the disk sets the pace and never the training. When the job ends, its last
+committed version is flushed whatever its step (``final``), so that a job relaunched later resumes where it
+ended. Whatever the filesystem does (full, read-only, gone, slow) is logged, rate-limited, and counted; the
+daemon goes on and the training never sees it."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 
 from ffstate import persist
 from ffstate.daemon.flusher import Copy, Flusher
+from ffstate.daemon.shard import copy_verified
 from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
@@ -37,6 +39,7 @@ log = logging.getLogger("ffstate.daemon.persist")
 ERROR_LOG_EVERY = 30.0  # seconds between two logs of the same kind of flush failure
 DECIDED = 16  # versions whose flush-or-skip decision is remembered (so that a node's ranks decide alike)
 REACHED_EVERY = 0.1  # seconds between writes of the newest version taken (reached-<node>.json), when it moved
+FINAL_WAIT = 120.0  # seconds a job's end waits for its last versions to be written
 
 
 @dataclass
@@ -131,6 +134,37 @@ class Persister:
             self.stats.skipped += 1
             return
         self._queue.put(_Job(key, version, copy, checksum))
+
+    def final(self, shards: list, wait: float = FINAL_WAIT) -> list[str]:
+        """The job ended: the last committed version of each of its local ``shards`` (``LocalShard``) is flushed
+        whatever its step (unless it was already), and the flushes waited for, at most ``wait`` seconds. Returns
+        what happened, a line per rank (for the daemon's log)."""
+        said = []
+        for shard in shards:
+            got = copy_verified(shard.slots)
+            if got is None:
+                continue
+            (version, snap), key, keys = got, shard.key, shard.persist_keys
+            manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
+            with self._lock:
+                if self._decided.get((key.job_id, version)):
+                    said.append(f"{key}: its last version {version} was flushed already")
+                    continue
+                self._decided[(key.job_id, version)] = True
+            try:
+                self.reserve(data.numel(), f"the copy of {key}'s last version {version} for the persistent tier")
+                copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
+            except (ReplicaError, OSError) as e:
+                said.append(f"{key}: its last version {version} cannot be flushed: {e}")
+                continue
+            self._queue.put(_Job(key, version, copy, checksum))
+            said.append(f"{key}: its last version {version} flushed")
+        deadline = time.monotonic() + wait
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self._queue.unfinished_tasks:
+            said.append(f"not all written within {wait:.0f}s")
+        return said
 
     def _decide(self, job: str, version: int) -> bool:
         """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version

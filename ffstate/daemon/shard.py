@@ -134,3 +134,12 @@ class LocalShard:
             if before == version:
                 break
         return snap
+
+
+def copy_verified(slots: Slots, version: int = 0) -> tuple[int, Snapshot] | None:
+    """(version, a verified private copy) of the newest committed slot, or of ``version`` if given."""
+    got = slots.read(version, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
+    if got is None:
+        return None
+    view, buf = got
+    return view.version, Snapshot(slots.manifest.with_scalars(view.scalars), buf, view.checksum)

@@ -144,8 +144,8 @@ def test_fsdp2_rank_killed_resumes_bit_exact_and_its_persisted_version_loads_thr
     """FSDP2 (fully_shard) on CPU with gloo: DTensor parameters and optimizer state, per-rank shards, nothing for
     the razor to split. A rank killed after a commit resumes from its node's slots, bit-identical; the versions
     the daemons flushed meanwhile are DCP checkpoints that DCP alone loads into FSDP2 at 3 ranks and into a plain
-    model, resharded from the 2 ranks' chunks."""
-    steps, job, store = 8, f"persist-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
+    model, resharded from the 2 ranks' chunks; the job's last step is flushed at its end, due or not."""
+    steps, job, store = 9, f"persist-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
     reference, out = tmp_path / "reference", tmp_path / "out"
     torchrun(reference, env_for(tmp_path, "fsdp2ref"), "--parallel", "fsdp2", "--no-ffstate", steps=steps)
     env = {**env_for(tmp_path, job, store), "FFSTATE_PERSIST_EVERY": "4"}
@@ -161,7 +161,8 @@ def test_fsdp2_rank_killed_resumes_bit_exact_and_its_persisted_version_loads_thr
     events = [json.loads(line) for line in (tmp_path / f"ffstate-{job}" / "events.jsonl").read_text().splitlines()]
     finished = [e for e in events if e["event"] == "finished"]
     assert len(finished) == WORLD and all(e["razor_group"] == [] and e["shard_bytes"] == e["state_bytes"] for e in finished)
-    assert persist.complete_versions(store / job)[-1] == steps  # the daemons flush what is queued before they exit
+    # The job's end flushes its last step, 9, though only multiples of 4 are due: a relaunch resumes where it ended.
+    assert persist.complete_versions(store / job)[-1] == steps
     vdir = persist.version_dir(store / job, steps)
     finals = [torch.load(out / f"final-rank{r}.pt", weights_only=True) for r in range(WORLD)]
     for flags, name in (([], "three.pt"), (["--plain"], "one.pt")):
