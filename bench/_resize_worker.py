@@ -80,11 +80,12 @@ def main() -> None:
                 msd, osd = get_state_dict(model, opt)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=a.out / "dcp" / f"step{n}")
                 ff.commit(n)
-            if rank >= world // 2:  # node 1 lost: its daemon, then its ranks
-                if rank == world // 2:
-                    (a.out / "killed.json").write_text(json.dumps({"time": time.time(), "step": a.steps}))
-                    run_dir = Path(tempfile.gettempdir()) / f"ffstate-{ffstate.job.job_id(cfg)}"
-                    os.kill(int((run_dir / "daemon-node1.pid").read_text()), signal.SIGKILL)
+            if rank == world // 2:  # node 1 lost: its daemon, then (once every rank is here) its ranks
+                (a.out / "killed.json").write_text(json.dumps({"time": time.time(), "step": a.steps}))
+                run_dir = Path(tempfile.gettempdir()) / f"ffstate-{ffstate.job.job_id(cfg)}"
+                os.kill(int((run_dir / "daemon-node1.pid").read_text()), signal.SIGKILL)
+            dist.barrier()
+            if rank >= world // 2:
                 os.kill(os.getpid(), signal.SIGKILL)
             dist.barrier()  # node 0 waits here for ranks that never come
         return
