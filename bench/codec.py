@@ -1,18 +1,21 @@
-"""Codec benchmark: throughput next to a plain copy, and compression next to zlib, on a real AdamW state.
+"""Codec benchmark: the daemon's encode and decode next to a plain copy, and the compression they get, on real
+AdamW states in fp32 and in bf16.
 
-Trains TinyGPT with AdamW for a number of steps, then takes the last two states and measures, in
-one run and interleaved (medians over repeats):
+Trains TinyGPT with AdamW (in fp32, and a bf16 copy of the model trained the same way), takes the last two
+states and measures, in one run and interleaved (medians over repeats), for each entropy stage (python-blosc2
+with LZ4 and with ZSTD, level 1, a byte shuffle by element size) and each number of codec threads:
 
-- pack (state -> flat buffer), encode (XOR delta + byte planes + checksums), decode (verify +
-  apply + checksum, into a new buffer), decode in place (onto the held base, as a replica
-  holder does) and the checksum alone, each as throughput and as a ratio to a plain tensor copy
-  of the same bytes on the same device;
-- the lossless delta's compression ratio per kind of tensor (params, exp_avg, exp_avg_sq) and
-  overall, next to zlib level 1 on the same XOR bytes.
+- encode: the XOR delta against the previous state, from packed buffers (what the daemon does with a slot),
+  compressed, each chunk checksummed;
+- decode in place: every chunk verified, decompressed and XORed onto the held base, the result checksummed
+  (what a holder does);
+- both together, as throughput and as a ratio to one plain copy of the same bytes (one thread);
+- the compression ratio of the delta (raw bytes / bytes on the wire).
 
-Usage: ``ffstate bench codec [--size medium] [--steps 50] [--device cpu|cuda]`` (or
-``python -m ffstate.bench.codec``). Prints a table; writes ``bench/results/codec-<device>.json``
-and a PNG plot beside it.
+Plus, once: pack (state -> flat buffer) and the checksum alone.
+
+Usage: ``ffstate bench codec [--size medium] [--steps 30] [--threads 1,2]``. Prints a table; writes
+``bench/results/codec-cpu.json`` and a PNG plot beside it.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ffstate import codec
 from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
+from ffstate.codec import backend
+from ffstate.codec.segment import CODECS
 from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.bench.codec")
@@ -39,17 +42,20 @@ SIZES = {  # TinyGPT shapes; fp32 model + AdamW state is about 12 bytes per para
     # Many small tensors (about 7,700 with AdamW's), where a commit's per-tensor costs show, not its copy.
     "deep": dict(vocab=256, dim=32, heads=2, layers=160, seq=32),
 }
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def adamw_states(size: str, steps: int, device: str, lr: float, seed: int = 0) -> tuple[dict, dict, int]:
-    """The training states after steps-1 and steps of AdamW; and the parameter count."""
+def adamw_states(size: str, steps: int, lr: float, dtype: torch.dtype = torch.float32, seed: int = 0
+                 ) -> tuple[dict, dict, int]:
+    """The training states after steps-1 and steps of AdamW (the model and its state in ``dtype``); and the
+    parameter count."""
     torch.manual_seed(seed)
-    model = TinyGPT(**SIZES[size]).to(device)
+    model = TinyGPT(**SIZES[size]).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     vocab = model.tok.num_embeddings
     prev = None
     for step in range(steps):
-        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1), device=device))
+        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1)))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -59,92 +65,69 @@ def adamw_states(size: str, steps: int, device: str, lr: float, seed: int = 0) -
     return prev, cur, sum(p.numel() for p in model.parameters())
 
 
-def kind_subsets(state: dict) -> dict[str, dict]:
-    """The state's fp32 tensors by kind: parameters, and each AdamW moment."""
-    out = {"params": {k: v for k, v in state["model"].items() if v.dtype == torch.float32}}
-    for moment in ("exp_avg", "exp_avg_sq"):
-        out[moment] = {k: v[moment] for k, v in state["optim"]["state"].items()}
-    return out
-
-
-def compression(prev: dict, cur: dict) -> dict[str, dict]:
-    """Per kind and overall: raw bytes, ffstate delta bytes, zlib-1 bytes of the same XOR."""
-    subsets = {**{k: (a, b) for (k, a), b in zip(kind_subsets(prev).items(), kind_subsets(cur).values())},
-               "overall": (prev, cur)}
-    out = {}
-    for kind, (a, b) in subsets.items():
-        sa, sb = codec.pack(a), codec.pack(b)
-        packed = codec.encode_snapshot(sb, sa)
-        xor = np.bitwise_xor(sa.buffer.cpu().numpy(), sb.buffer.cpu().numpy())
-        zl = len(zlib.compress(xor.tobytes(), 1))
-        out[kind] = {"raw_bytes": packed.raw_nbytes, "ffstate_bytes": packed.nbytes, "zlib1_bytes": zl,
-                     "ffstate_ratio": packed.raw_nbytes / packed.nbytes, "zlib1_ratio": packed.raw_nbytes / zl}
-        if kind != "overall":  # all fp32: what fraction of each byte plane of the XOR is zero
-            planes = xor[: xor.size // 4 * 4].reshape(-1, 4)
-            out[kind]["zero_fraction_per_plane"] = [float((planes[:, p] == 0).mean()) for p in range(4)]
-    return out
-
-
-def throughput(prev: dict, cur: dict, repeats: int, device: str) -> dict[str, dict]:
+def measure(prev: dict, cur: dict, repeats: int, threads: list[int]) -> dict:
+    """Encode, decode in place and the ratio of the delta, per entropy stage and thread count."""
     sa, sb = codec.pack(prev), codec.pack(cur)
-    slot = torch.empty_like(sb.buffer)
     dst = torch.empty_like(sb.buffer)
-    packed = codec.encode_snapshot(sb, sa)
-    # In place, as a replica holder applies it: forward onto a copy of the base, then back again.
-    back = codec.encode_snapshot(sa, sb)
-    held = codec.Snapshot(sa.manifest, sa.buffer.clone(), sa.checksum)
+    out: dict = {"bytes": sb.manifest.nbytes, "ways": {}}
+    backend.use_threads(1)
+    once = median_seconds({"copy": lambda: dst.copy_(sb.buffer),
+                           "pack": lambda: codec.pack_into(cur, dst, sb.manifest),
+                           "checksum": lambda: codec.buffer_checksum(sb.buffer)}, repeats)
+    out["copy_seconds"], out["pack_seconds"], out["checksum_seconds"] = once["copy"], once["pack"], once["checksum"]
+    for n in threads:
+        backend.use_threads(n)
+        fns = {}
+        for name in CODECS:
+            forth = codec.encode_snapshot(sb, sa, codec=name)
+            back = codec.encode_snapshot(sa, sb, codec=name)
+            held = codec.Snapshot(sa.manifest, sa.buffer.clone(), sa.checksum)
 
-    def apply_forth_and_back() -> None:
-        s1 = codec.decode_snapshot(packed, held, inplace=True)
-        codec.decode_snapshot(back, s1, inplace=True)
+            def apply(forth=forth, back=back, held=held) -> None:  # onto the held base, and back again
+                codec.decode_snapshot(back, codec.decode_snapshot(forth, held, inplace=True), inplace=True)
 
-    xor = np.bitwise_xor(sa.buffer.cpu().numpy(), sb.buffer.cpu().numpy()).tobytes()
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    fns = {
-        "copy": lambda: dst.copy_(sb.buffer),
-        "pack": lambda: codec.pack_into(cur, slot, sb.manifest),
-        "checksum": lambda: codec.buffer_checksum(sb.buffer),
-        "encode": lambda: codec.encode_snapshot(sb, sa),
-        "decode": lambda: codec.decode_snapshot(packed, sa),
-        "decode in place": apply_forth_and_back,
-    }
-    secs = median_seconds(fns, repeats, sync)
-    secs["decode in place"] /= 2  # two applies per call
-    secs["encode+decode in place"] = secs["encode"] + secs["decode in place"]
-    secs["zlib1 (encode only)"] = median_seconds({"z": lambda: zlib.compress(xor, 1)}, max(1, repeats // 3))["z"]
-    n = sb.manifest.nbytes
-    return {k: {"seconds": s, "GBps": n / s / 1e9, "vs_copy": secs["copy"] / s} for k, s in secs.items()}
+            fns[f"{name} encode"] = lambda name=name: codec.encode_snapshot(sb, sa, codec=name)
+            fns[f"{name} decode"] = apply
+            out["ways"].setdefault(name, {})["ratio"] = forth.raw_nbytes / forth.nbytes
+        secs = median_seconds(fns, repeats)
+        for name in CODECS:
+            enc, dec = secs[f"{name} encode"], secs[f"{name} decode"] / 2  # two applies a call
+            out["ways"][name][n] = {"encode_seconds": enc, "decode_seconds": dec,
+                                    "vs_copy": out["copy_seconds"] / (enc + dec),
+                                    "encode_GBps": out["bytes"] / enc / 1e9, "decode_GBps": out["bytes"] / dec / 1e9}
+    backend.use_threads(0)
+    return out
 
 
-def run(size: str, steps: int, repeats: int, device: str, lr: float, out_dir: Path) -> dict:
-    log.info("training TinyGPT-%s for %d AdamW steps on %s", size, steps, device)
-    prev, cur, n_params = adamw_states(size, steps, device, lr)
-    result = {
-        "benchmark": "codec",
-        "environment": environment(device),
-        "config": {"size": size, "params": n_params, "steps": steps, "lr": lr, "repeats": repeats,
-                   "chunk_bytes": codec.DEFAULT_CHUNK_BYTES},
-        "compression": compression(prev, cur),
-        "throughput": throughput(prev, cur, repeats, device),
-    }
-    tag = "cuda" if device.startswith("cuda") else "cpu"
-    return publish(out_dir, f"codec-{tag}", result, report, plot)
+def run(size: str, steps: int, repeats: int, lr: float, threads: list[int], out_dir: Path) -> dict:
+    result = {"benchmark": "codec", "environment": environment("cpu"),
+              "config": {"size": size, "steps": steps, "lr": lr, "repeats": repeats, "threads": threads,
+                         "chunk_bytes": codec.DEFAULT_CHUNK_BYTES}, "states": {}}
+    for name, dtype in DTYPES.items():
+        log.info("training TinyGPT-%s in %s for %d AdamW steps", size, name, steps)
+        prev, cur, n_params = adamw_states(size, steps, lr, dtype)
+        result["config"]["params"] = n_params
+        result["states"][name] = measure(prev, cur, repeats, threads)
+    return publish(out_dir, "codec-cpu", result, report, plot)
 
 
 def report(result: dict) -> str:
     cfg = result["config"]
-    mb = result["compression"]["overall"]["raw_bytes"] / 1e6
-    lines = [f"TinyGPT-{cfg['size']}: {cfg['params'] / 1e6:.2f}M params, {mb:.1f} MB of state, delta between "
-             f"AdamW steps {cfg['steps'] - 1} and {cfg['steps']} (lr {cfg['lr']}), on {result['environment']['device']}",
-             ""]
-    rows = [[k, f"{v['raw_bytes'] / 1e6:.2f}", f"{v['ffstate_ratio']:.3f}x", f"{v['zlib1_ratio']:.3f}x",
-             " ".join(f"{z:.2f}" for z in v.get("zero_fraction_per_plane", []))]
-            for k, v in result["compression"].items()]
-    lines.append(table(rows, ["lossless delta", "raw MB", "ffstate", "zlib-1 on XOR", "zero bytes, planes 0-3"]))
-    lines.append("")
-    rows = [[k, f"{v['GBps']:.3f}", f"{v['vs_copy']:.3f}", f"{v['seconds'] * 1e3:.1f}"]
-            for k, v in result["throughput"].items()]
-    lines.append(table(rows, [f"throughput (median of {cfg['repeats']})", "GB/s", "x copy", "ms"]))
+    lines = [f"TinyGPT-{cfg['size']} ({cfg['params'] / 1e6:.2f}M params) + AdamW: the delta between steps "
+             f"{cfg['steps'] - 1} and {cfg['steps']} (lr {cfg['lr']}); median of {cfg['repeats']}; x copy: one "
+             "plain copy of the same bytes (one thread) over encode + decode", ""]
+    rows = []
+    for dtype, s in result["states"].items():
+        for name, w in s["ways"].items():
+            for n in cfg["threads"]:
+                t = w[n]
+                rows.append([dtype, f"{s['bytes'] / 1e6:.1f}", f"blosc2 {name}", str(n), f"{w['ratio']:.3f}x",
+                             f"{t['encode_GBps']:.2f}", f"{t['decode_GBps']:.2f}", f"{t['vs_copy']:.3f}"])
+    lines.append(table(rows, ["state", "MB", "entropy stage", "threads", "ratio", "encode GB/s", "decode GB/s",
+                              "x copy"]))
+    s = result["states"]["fp32"]
+    lines += ["", f"fp32, once: copy {s['bytes'] / s['copy_seconds'] / 1e9:.2f} GB/s, pack "
+              f"{s['bytes'] / s['pack_seconds'] / 1e9:.2f} GB/s, checksum {s['bytes'] / s['checksum_seconds'] / 1e9:.2f} GB/s"]
     return "\n".join(lines)
 
 
@@ -152,22 +135,23 @@ def plot(result: dict, path: Path) -> Path | None:
     plt = pyplot()
     if plt is None:
         return None
-    comp, thr = result["compression"], result["throughput"]
+    threads = result["config"]["threads"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    kinds = list(comp)
-    x = np.arange(len(kinds))
-    a.bar(x - 0.2, [comp[k]["ffstate_ratio"] for k in kinds], 0.4, label="ffstate")
-    a.bar(x + 0.2, [comp[k]["zlib1_ratio"] for k in kinds], 0.4, label="zlib-1 on XOR")
-    a.set_xticks(x, kinds)
-    a.set_ylabel("compression ratio (raw / encoded)")
-    a.axhline(1.0, color="grey", lw=0.5)
-    a.legend(loc="lower right")
-    a.set_title("lossless delta, consecutive AdamW steps")
-    ops = [k for k in thr if k != "copy"]
-    b.barh(ops, [thr[k]["vs_copy"] for k in ops])
-    b.axvline(1.0, color="grey", lw=0.5)
-    b.set_xlabel("throughput / plain copy of the same bytes")
-    b.set_title(f"on {result['environment']['device']} (copy {thr['copy']['GBps']:.1f} GB/s)")
+    labels, ratios, speeds = [], [], []
+    for dtype, s in result["states"].items():
+        for name, w in s["ways"].items():
+            labels.append(f"{dtype} {name}")
+            ratios.append(w["ratio"])
+            speeds.append([w[n]["vs_copy"] for n in threads])
+    a.barh(labels, ratios)
+    a.axvline(1.0, color="grey", lw=0.5)
+    a.set_xlabel("compression ratio of the delta (raw / on the wire)")
+    for i, n in enumerate(threads):
+        b.barh([j + i * 0.4 for j in range(len(labels))], [s[i] for s in speeds], 0.4, label=f"{n} thread(s)")
+    b.set_yticks([j + 0.2 for j in range(len(labels))], labels)
+    b.axvline(0.15, color="red", lw=0.5, ls="--")
+    b.set_xlabel("encode + decode throughput / one plain copy")
+    b.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -179,15 +163,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=30, help="AdamW steps before the measured delta (default: 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats; medians are reported (default: 7)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="cpu (reference path) or cuda (Triton kernels); default: cuda when present")
+    p.add_argument("--threads", default="1,2", help="codec thread counts to measure (default: 1,2)")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the benchmark measures the delta between the last two steps")
-    run(args.size, args.steps, args.repeats, args.device, args.lr, args.out)
+    run(args.size, args.steps, args.repeats, args.lr, [int(t) for t in args.threads.split(",") if t], args.out)
     return 0
 
 

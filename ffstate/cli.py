@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ffstate.bench import simulate as simulate_bench
     from ffstate.bench import codec as codec_bench
 
-    p = which.add_parser("codec", help="codec throughput vs plain copy, compression vs zlib-1, on AdamW state")
+    p = which.add_parser("codec", help="encode and decode vs a plain copy, and the compression, on fp32 and bf16 AdamW state")
     codec_bench.add_arguments(p)
     p.set_defaults(run=codec_bench.main)
     p = which.add_parser("bandwidth", help="gRPC push/fetch over a chunk-size sweep vs raw TCP and gloo")

@@ -1,11 +1,11 @@
-"""Checksum of a byte buffer (the definition is ``ffstate.planes.checksum``): per-block partial sums."""
+"""Checksum of a byte buffer (the definition is ``ffstate.checksum``): per-block partial sums."""
 
 import torch
 import triton
 import triton.language as tl
 
 from ffstate.kernels._launch import block
-from ffstate.planes import K0
+from ffstate.checksum import K0
 
 _M64 = (1 << 64) - 1
 

@@ -8,12 +8,14 @@ Two levels:
   the caller owns, ``encode_snapshot``/``decode_snapshot`` on buffers, ``unpack`` a buffer into a
   new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
 
-CPU buffers use the reference path (``ffstate.planes``); CUDA buffers use the Triton kernels in
-``ffstate.kernels``, which produce the same bytes. The wire format is in docs/wire-format.md.
+Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter, the checksum); the
+encoding itself, an XOR against the base and python-blosc2 (``segment``), runs on host buffers, where the daemon
+keeps every version. The wire format is in docs/wire-format.md.
 
 The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``pack`` (state <-> buffer),
-``delta`` (buffer <-> chunks, and the state level), ``decoder`` (streamed decoding), ``backend`` (the
-CPU path's threads, the kernels' dispatch, the checksum). The names below are the codec's API.
+``segment`` (one segment on the wire: blosc2), ``delta`` (buffer <-> chunks, and the state level), ``decoder``
+(streamed decoding), ``backend`` (the codec's threads, the kernels' dispatch, the checksum). The names below are
+the codec's API.
 """
 
 from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum

@@ -1,6 +1,6 @@
-"""Where the codec's work runs: the CPU reference path on a thread pool (NumPy releases the GIL, so it scales
-with cores), or the Triton kernels (``ffstate.kernels``) for CUDA buffers, which produce the same bytes;
-``FFSTATE_KERNELS`` forces either. And the buffer checksum every level verifies against."""
+"""Where the codec's work runs: on a thread pool (NumPy and blosc2 release the interpreter lock, so it scales
+with cores), or, for packing and summing CUDA buffers, in the Triton kernels (``ffstate.kernels``), which produce
+the same bytes; ``FFSTATE_KERNELS`` forces either. And the buffer checksum every level verifies against."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ffstate import planes
+from ffstate import checksum
+from ffstate.codec.segment import THREADS
 from ffstate.config import Config
 
 _POOL: ThreadPoolExecutor | None = None
@@ -24,7 +25,19 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
             _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
+            THREADS[0] = workers
         return _POOL
+
+
+def use_threads(n: int) -> None:
+    """The codec's pool from now on: ``n`` threads (0: ``Config.codec_threads``, else the cores). For the
+    benchmarks, which compare thread counts in one process."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is not None:
+            _POOL.shutdown(wait=True)
+        _POOL = ThreadPoolExecutor(n, thread_name_prefix="ffstate-codec") if n else None
+        THREADS[0] = n or 1
 
 
 def _map(fn, items):
@@ -49,9 +62,9 @@ def _kernels_choice(raw: str) -> str:
 
 
 def buffer_checksum(buf: torch.Tensor) -> int:
-    """The checksum of a uint8 buffer (``planes.checksum``), on the buffer's device."""
+    """The checksum of a uint8 buffer (``ffstate.checksum``), on the buffer's device."""
     if _use_kernels(buf):
         from ffstate import kernels
 
         return kernels.checksum(buf)
-    return planes.checksum(buf.numpy(), _map)
+    return checksum.checksum(buf.numpy(), _map)

@@ -11,13 +11,13 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ffstate import planes
+from ffstate import checksum
 from ffstate.codec.backend import _map
 from ffstate.config import Config
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
-FORMAT = 1
+FORMAT = 2  # 1: byte planes (ffstate before python-blosc2); refused, with what to do
 DEFAULT_CHUNK_BYTES = Config.chunk_bytes
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
 # Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
@@ -37,7 +37,7 @@ class Chunk:
     @staticmethod
     def of(index: int, count: int, payload: np.ndarray | bytes) -> "Chunk":
         arr = np.frombuffer(payload, dtype=np.uint8) if isinstance(payload, bytes) else payload
-        return Chunk(index, count, planes.checksum(arr), memoryview(arr).cast("B"))
+        return Chunk(index, count, checksum.checksum(arr), memoryview(arr).cast("B"))
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Packed:
 
 
 def _verify_chunk(c: Chunk) -> None:
-    got = planes.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+    got = checksum.checksum(np.frombuffer(c.payload, dtype=np.uint8))
     if got != c.checksum:
         raise CodecError(f"chunk {c.index} of {c.count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
 
@@ -155,7 +155,8 @@ def _parse_header(chunks: Sequence[Chunk]) -> dict:
         raise CodecError(f"malformed header chunk: a JSON {type(header).__name__}, not an object")
     kind, fmt = header.get("kind"), header.get("format")
     if fmt != FORMAT:
-        raise CodecError(f"format {str(fmt)[:20]} is not supported by this ffstate (format {FORMAT})")
+        raise CodecError(f"wire format {str(fmt)[:20]} is not supported by this ffstate (format {FORMAT})"
+                         + ("; format 1 comes from an older ffstate: run one version on every node" if fmt == 1 else ""))
     if kind not in ("full", "delta"):
         raise CodecError(f"malformed header: kind {str(kind)[:20]!r}")
     fields = {"checksum": (_hex64, "the version's checksum"), "nbytes": (_count, "its size"),

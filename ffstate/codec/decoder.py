@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ffstate import layout, planes
+from ffstate import layout
+from ffstate.codec.segment import apply_segment
 from ffstate.codec.backend import _pool, buffer_checksum
 from ffstate.codec.chunks import Chunk, Snapshot, _parse_header, _verify_chunk, segment_count, segments
 from ffstate.codec.pack import unpack_verified
@@ -89,8 +90,8 @@ class Decoder:
     def _apply(self, chunk: Chunk) -> None:
         _verify_chunk(chunk)
         off, n, size = self._segments[chunk.index - 1]
-        planes.apply_segment(np.frombuffer(chunk.payload, dtype=np.uint8), size, off,
-                             self._out.numpy()[off : off + n * size])
+        apply_segment(np.frombuffer(chunk.payload, dtype=np.uint8), size, off,
+                      self._out.numpy()[off : off + n * size], into_zeros=True)
 
     def finish(self) -> Snapshot:
         """The decoded snapshot, verified; waits for the chunks still being applied."""

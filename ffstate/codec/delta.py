@@ -1,7 +1,8 @@
-"""Buffer <-> chunks: a snapshot encoded in full or as an XOR delta against a base (byte planes, compacted:
-``ffstate.planes``), decoded and verified end to end, applied in place onto its base, or reverted (XOR
+"""Buffer <-> chunks: a snapshot encoded in full or as an XOR delta against a base (each segment compressed by
+blosc2: ``segment.py``), decoded and verified end to end, applied in place onto its base, or reverted (XOR
 deltas are their own inverse: docs/design.md I2, I3). A failure leaves every buffer as it was. And the
-state-level ``encode``/``decode`` on top."""
+state-level ``encode``/``decode`` on top. The codec runs on CPU buffers (the daemon's): a CUDA buffer is
+brought to the host first."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ffstate import layout, planes
-from ffstate.codec.backend import _map, _use_kernels, buffer_checksum
+from ffstate import layout
+from ffstate.codec.segment import CODECS, apply_segment, encode_segment
+from ffstate.codec.backend import _map, buffer_checksum
 from ffstate.codec.chunks import (DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Chunk, Packed,
                                   Snapshot, _check_segment_count, segments, verify_chunks)
 from ffstate.codec.pack import pack, unpack
@@ -20,12 +22,16 @@ from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
 
-def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
-    """Encodes a snapshot as a full version, or as an XOR delta against ``base`` (same layout).
+def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    codec: str = "lz4") -> Packed:
+    """Encodes a snapshot as a full version, or as an XOR delta against ``base`` (same layout); ``codec`` is
+    blosc2's entropy stage: ``lz4`` (streaming: fast both ways) or ``zstd`` (smaller, slower).
 
     Raises:
-        CodecError: ``base`` has another layout, or ``chunk_bytes`` is out of range.
+        CodecError: ``base`` has another layout, or ``chunk_bytes`` or ``codec`` is out of range.
     """
+    if codec not in CODECS:
+        raise CodecError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
     m = snapshot.manifest
@@ -44,7 +50,7 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
         if base.manifest.layout_id != m.layout_id:
             raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
         header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
-    bodies = _encode_groups(buf, None if base is None else base.buffer.to(buf.device), m, chunk_bytes)
+    bodies = _encode_groups(buf, None if base is None else base.buffer, m, chunk_bytes, codec)
     count = 1 + len(bodies)
     head = json.dumps(header, separators=(",", ":")).encode()
     chunks = _map(lambda ib: Chunk.of(ib[0], count, ib[1]), enumerate([head] + bodies))
@@ -60,8 +66,8 @@ def decode_snapshot(
 ) -> Snapshot:
     """The snapshot an encoded version restores, verified end to end; ``base`` is required for a delta.
 
-    The result's buffer is on ``device`` for a full version, on the base's device for a delta (a
-    CUDA buffer is decoded by the Triton kernels). With ``inplace``, a delta is applied to
+    The result's buffer is on ``device`` for a full version, on the base's device for a delta (decoded on
+    the host, then copied there). With ``inplace``, a delta is applied to
     ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
     as it was, since an XOR delta applied twice is undone (docs/design.md I2).
     ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
@@ -80,7 +86,7 @@ def decode_snapshot(
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if inplace:
             raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
-        out = layout.alloc_buffer(manifest, device=device)
+        out = layout.alloc_buffer(manifest)
     else:
         if base is None:
             raise CodecError("this version is a delta: decoding it needs the base it was encoded against")
@@ -95,10 +101,12 @@ def decode_snapshot(
             )
         manifest = base.manifest.with_scalars(header["scalars"])
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
-        out = base.buffer.detach() if inplace else base.buffer.detach().clone()
+        if inplace and base.buffer.is_cuda:
+            raise CodecError("in-place decoding works on a host buffer (the daemon's); this base is on a GPU")
+        out = base.buffer.detach() if inplace else base.buffer.detach().cpu().clone()
     if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
         raise CodecError("the header's layout id or size does not match its manifest")
-    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out, into_zeros=header["kind"] == "full")
     got = buffer_checksum(out)
     if got != packed.checksum:
         if inplace:
@@ -107,7 +115,8 @@ def decode_snapshot(
             f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
             "the chunks do not belong to this version or its base"
         )
-    return Snapshot(manifest, out, got)
+    target = device if header["kind"] == "full" else base.buffer.device
+    return Snapshot(manifest, out if out.device == torch.device(target) else out.to(target), got)
 
 
 def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
@@ -138,42 +147,33 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
     return Snapshot(manifest, out, got)
 
 
-def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manifest, chunk_bytes: int
-                   ) -> list[np.ndarray]:
+def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manifest, chunk_bytes: int,
+                   codec: str) -> list[np.ndarray]:
     """Encoded segments of ``buf`` (XOR ``base``), in chunk order."""
-    segs = segments(manifest, chunk_bytes)
-    if _use_kernels(buf):
-        from ffstate import kernels
-
-        return kernels.encode_segments(buf, segs, base)
-    host = buf.numpy()
-    base_host = None if base is None else base.numpy()
+    host = buf.cpu().numpy()
+    base_host = None if base is None else base.cpu().numpy()
 
     def encode_one(seg: tuple[int, int, int]) -> np.ndarray:
         off, n, size = seg
-        d = host[off : off + n * size]
-        if base_host is not None:
-            d = np.bitwise_xor(d, base_host[off : off + n * size])
-        return planes.encode_segment(d, size, off)
+        end = off + n * size
+        return encode_segment(host[off:end], None if base_host is None else base_host[off:end], size, off,
+                                      codec)
 
-    return _map(encode_one, segs)
+    return _map(encode_one, segments(manifest, chunk_bytes))
 
 
-def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor) -> None:
-    """XORs every segment into ``out``; if one is malformed, the others are undone and CodecError raised."""
+def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor,
+                  into_zeros: bool = False) -> None:
+    """XORs every segment into ``out`` (``into_zeros``: a new zeroed buffer, decompressed straight into); if one is
+    malformed, the others are undone and CodecError raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
-    if _use_kernels(out):
-        from ffstate import kernels
-
-        kernels.apply_segments(payloads, segs, out)
-        return
     host = out.numpy()
 
     def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
         payload, (off, n, size) = item
         try:
-            planes.apply_segment(payload, size, off, host[off : off + n * size])
+            apply_segment(payload, size, off, host[off : off + n * size], into_zeros)
         except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
             return e
         return None
@@ -182,18 +182,19 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
     errors = _map(apply, items)
     failed = [e for e in errors if e is not None]
     if failed:
-        _map(apply, [item for item, e in zip(items, errors) if e is None])  # XOR again: undone
+        if not into_zeros:  # a new buffer is dropped with the error; a base is restored
+            _map(apply, [item for item, e in zip(items, errors) if e is None])  # XOR again: undone
         raise failed[0]
 
 
-def encode(state: Any, base: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+def encode(state: Any, base: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES, codec: str = "lz4") -> Packed:
     """Encodes a state: in full when ``base`` is None, else as a delta against ``base`` (same structure).
 
     Raises:
         CodecError: the state holds an unsupported value, or ``base`` has another structure.
     """
     snapshot = pack(state)
-    return encode_snapshot(snapshot, None if base is None else pack(base), chunk_bytes)
+    return encode_snapshot(snapshot, None if base is None else pack(base), chunk_bytes, codec)
 
 
 def decode(packed: Packed, base: Any = None, map_location: Any = None) -> Any:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ffstate import layout, planes
+from ffstate import checksum, layout
 from ffstate.codec.backend import _map, _use_kernels, buffer_checksum
 from ffstate.codec.chunks import Snapshot
 from ffstate.errors import CodecError, LayoutChanged
@@ -161,7 +161,7 @@ def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
                 _copy_pieces(dsts, srcs)
                 dsts, srcs = [], []
             if to > summed_to:
-                total += planes.word_sum(words[summed_to // 8 : to // 8], summed_to // 8)
+                total += checksum.word_sum(words[summed_to // 8 : to // 8], summed_to // 8)
                 summed_to = to
 
         for pos, dst in items:
@@ -170,7 +170,7 @@ def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
                 flush(pos)
                 dst.copy_(buf[pos : pos + n])
                 whole = n // 8 * 8
-                total += planes.word_sum(dst[:whole].numpy().view(np.uint64), pos // 8)
+                total += checksum.word_sum(dst[:whole].numpy().view(np.uint64), pos // 8)
                 summed_to = pos + whole
             else:
                 dsts.append(dst)
@@ -181,7 +181,7 @@ def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
         return total
 
     total = sum(_map(lambda i: run(tasks[i], bounds[i]), range(len(tasks))))
-    return layout.finish_leaves(manifest, leaves), planes.finish_checksum(total, host)
+    return layout.finish_leaves(manifest, leaves), checksum.finish_checksum(total, host)
 
 
 def _copy_pieces(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

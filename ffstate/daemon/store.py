@@ -21,7 +21,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ffstate import codec, planes
+from ffstate import codec
+from ffstate import checksum
 from ffstate.codec import Chunk, Packed, Snapshot
 from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
@@ -382,7 +383,7 @@ class Store:
 
 def _verify_one(chunk: Chunk) -> None:
     """The checksum of one chunk, as it arrives (the list as a whole is checked again at commit)."""
-    got = planes.checksum(np.frombuffer(chunk.payload, dtype=np.uint8))
+    got = checksum.checksum(np.frombuffer(chunk.payload, dtype=np.uint8))
     if got != chunk.checksum:
         raise ReplicaError(f"chunk {chunk.index} of {chunk.count} is corrupted: checksum {got:016x}, expected "
                            f"{chunk.checksum:016x}", "DATA_LOSS")

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ffstate import planes
+from ffstate import checksum
 from ffstate.layout import Manifest
 from ffstate.persist.items import Item
 
@@ -117,12 +117,12 @@ def _write_item(item: Item) -> Any:
 
 
 def file_checksum(path: Path) -> tuple[int, int]:
-    """(size, checksum) of a file, read in pieces (``planes.checksum`` of each, folded)."""
+    """(size, checksum) of a file, read in pieces (``ffstate.checksum`` of each, folded)."""
     size, acc = 0, 0
     with open(path, "rb") as f:
         while piece := f.read(_CHUNK):
             size += len(piece)
-            acc = (acc * 1_000_003 + planes.checksum(np.frombuffer(piece, dtype=np.uint8))) & (2**64 - 1)
+            acc = (acc * 1_000_003 + checksum.checksum(np.frombuffer(piece, dtype=np.uint8))) & (2**64 - 1)
     return size, acc
 
 

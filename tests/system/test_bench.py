@@ -10,7 +10,7 @@ import pytest
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("args, name", [
-    (["codec", "--size", "small", "--steps", "2", "--repeats", "1"], "codec-cpu"),
+    (["codec", "--size", "small", "--steps", "2", "--repeats", "1", "--threads", "1"], "codec-cpu"),
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
     (["recovery", "--sizes", "small", "--repeats", "1", "--resize"], "recovery"),

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
-from ffstate.codec import Chunk
+from ffstate.codec import FORMAT, Chunk
 
 META = (("ffstate-token", TOKEN),)
 JOBS = ["fz0", "fz1", "fz\n", "../x", "", "x" * 200]
@@ -58,7 +58,7 @@ real_chunks = st.builds(_real, st.integers(0, 3000), st.integers(1, 4), st.integ
 # A delta's header as the held replica (HELD, version 1: its layout and checksum) would accept, and junk that
 # replaces or removes one of its fields at a time: what reaches the store's own checks of a delta.
 HELD = pb.ShardKey(job_id="fz0", rank=0, world_size=2)
-DELTA = {"format": 1, "kind": "delta", "checksum": "0", "nbytes": 4032, "chunk_bytes": 4096,
+DELTA = {"format": FORMAT, "kind": "delta", "checksum": "0", "nbytes": 4032, "chunk_bytes": 4096,
          "layout_id": "", "base_checksum": "", "scalars": [0]}  # layout and base checksum: set by the test
 JUNK = [None, "zz", float("inf"), -1, [], {}, "x" * 300, 1 << 70, 1.5, "f" * 17]
 

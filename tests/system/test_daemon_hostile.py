@@ -176,7 +176,7 @@ def test_per_chunk_bookkeeping_counts_against_the_budget(daemons, states):
         before = c.inventory().bytes_used
     channel = grpc.insecure_channel(d.address)
     stub = pb_grpc.ReplicaStub(channel)
-    head = Chunk.of(0, 200_000, json.dumps({"format": 1, "kind": "full", "checksum": "0", "nbytes": 0,
+    head = Chunk.of(0, 200_000, json.dumps({"format": codec.FORMAT, "kind": "full", "checksum": "0", "nbytes": 0,
                                             "chunk_bytes": 4096, "layout_id": "x", "manifest": {}}).encode())
     empty = Chunk.of(1, 200_000, b"")
 
@@ -191,6 +191,21 @@ def test_per_chunk_bookkeeping_counts_against_the_budget(daemons, states):
         stub.Push(msgs(), metadata=META, timeout=120)
     channel.close()
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert used(d) == before
+
+
+def test_a_version_in_the_older_wire_format_is_refused_saying_why(held):
+    """A node still running an ffstate of wire format 1 pushes to this one: refused at its header, with what to do;
+    nothing is staged."""
+    d, stub, before, _ = held
+    head = Chunk.of(0, 2, json.dumps({"format": 1, "kind": "full", "checksum": "0", "nbytes": 4, "chunk_bytes": 4096,
+                                      "layout_id": "x", "manifest": {}}).encode())
+    msgs = [pb.PushChunk(shard=key("old"), version=1, chunk_index=0, chunk_count=2, checksum=head.checksum,
+                         payload=bytes(head.payload))]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Push(iter(msgs), metadata=META, timeout=60)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "format 1 comes from an older ffstate: run one version on every node" in e.value.details()
     assert used(d) == before
 
 

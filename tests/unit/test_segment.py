@@ -1,0 +1,76 @@
+"""ffstate/codec/segment.py (one segment on the wire: blosc2 after ffstate's XOR) and ffstate/checksum.py."""
+
+import blosc2
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ffstate import checksum
+from ffstate.codec import segment
+from ffstate.errors import CodecError
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=3000), itemsize=st.sampled_from(segment.ITEMSIZES), density=st.floats(0, 1),
+       codec=st.sampled_from(sorted(segment.CODECS)), delta=st.booleans())
+def test_a_segment_round_trips_any_bytes_full_or_as_a_delta(data, itemsize, density, codec, delta):
+    rng = np.random.default_rng(len(data))
+    cur = np.frombuffer(data, dtype=np.uint8)[: len(data) // itemsize * itemsize].copy()
+    base = cur.copy()
+    changed = rng.random(cur.size) < density
+    base[changed] = rng.integers(0, 256, int(changed.sum()), dtype=np.uint8)
+    enc = segment.encode_segment(cur, base if delta else None, itemsize, 128, codec)
+    out = base.copy() if delta else np.zeros_like(cur)
+    segment.apply_segment(enc, itemsize, 128, out, into_zeros=not delta)
+    assert out.tobytes() == cur.tobytes()
+    if delta:  # XOR deltas are their own inverse: applied again, the base comes back
+        segment.apply_segment(enc, itemsize, 128, out)
+        assert out.tobytes() == base.tobytes()
+
+
+def test_an_unchanged_segment_costs_a_few_dozen_bytes():
+    cur = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    assert segment.encode_segment(cur, cur.copy(), 4, 0).size < 64
+
+
+def _encoded(n: int = 4096, itemsize: int = 4) -> bytearray:
+    d = np.random.default_rng(1).integers(0, 3, n * itemsize, dtype=np.uint8)
+    return bytearray(segment.encode_segment(d, None, itemsize, 64).tobytes())
+
+
+@pytest.mark.parametrize("what, change, match", [
+    ("an older format", lambda b: b"FFS1" + b[4:], "wire format 1: an older ffstate"),
+    ("another place", lambda b: b[:8] + (128).to_bytes(8, "little") + b[16:], "out of place"),
+    ("a truncated stream", lambda b: b[:-7], "the chunk carries"),
+    ("a stream of another size", lambda b: b[:24] + bytes(b[24:28]) + (16385).to_bytes(4, "little") + b[32:],
+     "its stream says"),
+    ("no stream", lambda b: b[:24] + b"\x00" * 40, "not a blosc2 stream|its stream says"),
+])
+def test_a_malformed_segment_is_refused_before_anything_is_written(what, change, match):
+    bad = np.frombuffer(bytes(change(_encoded())), dtype=np.uint8)
+    out = np.full(4096 * 4, 7, dtype=np.uint8)
+    with pytest.raises(CodecError, match=match):
+        segment.apply_segment(bad, 4, 64, out)
+    assert (out == 7).all(), what
+
+
+def test_blosc2_is_called_below_its_two_gigabyte_limit():
+    assert segment.MAX_CALL < 2**31 and blosc2.MAX_BUFFERSIZE >= segment.MAX_CALL - 64
+
+
+@given(data=st.binary(min_size=1, max_size=200), pos=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_checksum_detects_any_single_bit_flip(data, pos, bit):
+    a = np.frombuffer(data, dtype=np.uint8)
+    b = a.copy()
+    b[pos % b.size] ^= 1 << bit
+    assert checksum.checksum(a) != checksum.checksum(b)
+
+
+def test_checksum_depends_on_order_and_length():
+    a = np.arange(64, dtype=np.uint8)
+    swapped = a.copy()
+    swapped[[0, 8]] = swapped[[8, 0]]
+    assert checksum.checksum(a) != checksum.checksum(swapped)
+    assert checksum.checksum(a[:9]) != checksum.checksum(np.concatenate([a[:9], [0]]).astype(np.uint8))
+    assert checksum.checksum(np.zeros(0, dtype=np.uint8)) == 0
