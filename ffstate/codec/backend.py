@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ffstate import checksum
-from ffstate.codec.segment import THREADS
 from ffstate.config import Config
 
 _POOL: ThreadPoolExecutor | None = None
@@ -25,7 +24,6 @@ def _pool() -> ThreadPoolExecutor:
         if _POOL is None:
             workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
             _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
-            THREADS[0] = workers
         return _POOL
 
 
@@ -37,7 +35,6 @@ def use_threads(n: int) -> None:
         if _POOL is not None:
             _POOL.shutdown(wait=True)
         _POOL = ThreadPoolExecutor(n, thread_name_prefix="ffstate-codec") if n else None
-        THREADS[0] = n or 1
 
 
 def _map(fn, items):

@@ -33,10 +33,10 @@ LEVEL = 1  # LZ4 and ZSTD level 1: measured (bench codec), higher levels bought 
 BLOCK = 256 << 10
 MAX_CALL = 2**31 - 64  # bytes one blosc2 call takes (its 2 GB limit, less its header); segments stay far below
 _SCRATCH = threading.local()
-# Threads blosc2 uses inside one call (``backend.use_threads`` sets it to the codec's): its compression holds the
-# interpreter lock, so the codec's own pool does not run two segments' compressions at once, and blosc2 splits
-# each segment's blocks over its threads instead.
-THREADS = [1]
+# blosc2 keeps the interpreter lock while it compresses unless told otherwise: released, the codec's thread pool
+# runs segments side by side, and the daemon's other threads (its gRPC server, the replicator) run meanwhile.
+blosc2.set_releasegil(True)
+THREADS = [1]  # threads blosc2 uses inside one call; the codec's pool runs one segment per thread
 
 
 def _scratch(nbytes: int) -> np.ndarray:
