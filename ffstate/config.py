@@ -56,7 +56,8 @@ class Config:
         daemon_memory_limit: the started daemon's budget (``--memory-limit``, e.g. ``8G``); "" is its default.
         daemon_idle_exit: seconds without a request or a commit after which a started daemon exits.
         max_lag: W, how many versions replication may fall behind the training before the lag
-            policy acts; also the deltas each holder keeps to step back.
+            policy acts; also the deltas each holder keeps to step back. 1 (the default) bounds a node's loss at one
+            step: a commit waits, when it must, until every holder has the step before it.
         lag_policy: ``block`` holds ``commit`` until replication is within ``max_lag``; ``skip``
             lets it run ahead (the replicator always jumps to the newest version) and logs it.
         shadow_ddp_step: after a restore under DDP, run one shadow forward/backward on the first
@@ -132,7 +133,7 @@ class Config:
     start_daemon: bool = True
     daemon_memory_limit: str = ""
     daemon_idle_exit: float = 600.0
-    max_lag: int = 4
+    max_lag: int = 1
     lag_policy: str = "block"
     shadow_ddp_step: bool = True
     exit_timeout: float = 60.0
@@ -282,7 +283,7 @@ class DaemonConfig:
     pid_file: Path | None = None
     # versions a replica can be stepped back: the workers' max_lag W, plus one (between a commit and its lag check
     # a holder can be W + 1 versions behind, and a lost node's replicas with it)
-    keep_deltas: int = 5
+    keep_deltas: int = 2
     max_chunk_bytes: int = 32 << 20
     scalars_capacity: int = field(default=1 << 20, metadata={"flag": None})
     scheduler: str = "windows"  # windows: into the training's idle windows; naive: as soon as captured

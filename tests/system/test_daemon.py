@@ -47,17 +47,17 @@ def attached_slots(a, job, steps):
 
 
 @pytest.fixture
-def pair(daemons):
-    b = daemons.start()
-    a = daemons.start("--peer", b.address)
+def pair(daemons):  # keeping 5 deltas (W + 1 for a job's max_lag 4): the step-back tests reach that far
+    b = daemons.start("--keep-deltas", "5")
+    a = daemons.start("--peer", b.address, "--keep-deltas", "5")
     return a, b
 
 
 @pytest.fixture(scope="module")
 def shared_pair(module_daemons):
     """A and its holder B, shared by the tests that each use a job of their own and kill neither."""
-    b = module_daemons.start()
-    a = module_daemons.start("--peer", b.address)
+    b = module_daemons.start("--keep-deltas", "5")
+    a = module_daemons.start("--peer", b.address, "--keep-deltas", "5")
     return a, b
 
 
