@@ -63,14 +63,42 @@ def write_json(out_dir: Path, name: str, payload: dict) -> Path:
 
 def publish(out_dir: Path, name: str, result: dict, report: Callable[[dict], str],
             plot: Callable[[dict, Path], Path | None]) -> dict:
-    """Writes ``<name>.json``, prints the report's table, draws ``<name>.png``, and says where they went."""
+    """Writes ``<name>.json``, prints the report's table, draws ``<name>.png``, writes ``<name>.md`` (the table
+    with the date, the machine, the versions, the commit and the command: a record to keep, e.g. under
+    ``benchmarks/``), and says where they went."""
     path = write_json(out_dir, name, result)
-    print(report(result))
+    text = report(result)
+    print(text)
     print(f"\nwrote {path}")
     png = plot(result, out_dir / f"{name}.png")
     if png:
         print(f"wrote {png}")
+    md = out_dir / f"{name}.md"
+    md.write_text(record(name, text))
+    print(f"wrote {md}")
     return result
+
+
+def record(name: str, text: str) -> str:
+    """A benchmark's table as a dated, labelled record: what ran, where, on what, at which commit."""
+    import datetime
+    import os
+    import subprocess
+    import sys
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    command = "ffstate bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv)
+    return (f"# {name}, {datetime.date.today().isoformat()}\n\n"
+            f"- command: `{command}`\n- machine: {os.cpu_count()} cores ({cpu}), GPU: {gpu}\n"
+            f"- Python {platform.python_version()}, torch {torch.__version__}, commit {commit}\n\n"
+            f"```\n{text}\n```\n")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:

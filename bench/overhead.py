@@ -228,17 +228,22 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
                          "pin": ":".join(pin) if pin else None,
                          "nodes": NODES, "replicas": 1, "links": links},
               "jobs": {}}
-    with tempfile.TemporaryDirectory(prefix="ffstate-overhead-") as tmp:
+    tmp = Path(tempfile.mkdtemp(prefix="ffstate-overhead-"))
+    try:
         for where in links:
             for parallel in parallels:
                 opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin,
                             persist_nice=persist_nice)
                 if where == "loopback":
-                    ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), None, **opts)
+                    ranks = run_job(parallel, modes, steps, repeats, size, tmp, None, **opts)
                 else:
                     with netns.shaped_link(where) as link:
-                        ranks = run_job(parallel, modes, steps, repeats, size, Path(tmp), link, **opts)
+                        ranks = run_job(parallel, modes, steps, repeats, size, tmp, link, **opts)
                 result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes, repeats)
+    except BaseException:  # a failed run keeps what tells why: torchrun's, the daemons' and the ranks' logs
+        print(f"ffstate bench overhead failed; its logs are kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
     return publish(out_dir, "overhead", result, report, plot)
 
 
