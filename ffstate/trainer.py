@@ -348,6 +348,6 @@ class Replicated:
         """
         log.error("rank %d: the node's daemon is gone (%s); restarting it and re-attaching", self.rank, error)
         self._detach()
-        self.daemon = launch.node_daemon(self.job, publish=False)
+        self.daemon = launch.node_daemon(self.job, lost=self.daemon.address)
         self.lag.replicated, self.lag.settle = 0, lag_mod.SETTLE_COMMITS  # its holders get full versions again
         self.job.record({"event": "daemon-restarted", "step": self._last})

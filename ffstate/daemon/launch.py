@@ -25,15 +25,18 @@ from ffstate.job import Job
 log = logging.getLogger("ffstate.launch")
 
 
-def node_daemon(job: Job, publish: bool = True) -> Client:
-    """This node's daemon: found, or started by the node's first rank, and its address published.
+def node_daemon(job: Job, lost: str | None = None) -> Client:
+    """This node's daemon: found, or started by the node's first rank, and its address published. The first rank
+    takes the node's daemon port, or the next one when a daemon of another job (another token: one that ended badly
+    and has not exited yet) holds it; the node's other ranks take the address it published. ``lost``: the address of
+    the node's daemon, gone while training runs: any local rank starts a new one there, publishing nothing.
 
     Raises:
         ReplicaUnavailable: nothing answers within ``connect_timeout``.
-        ReplicaError: a daemon of another job (token) answers.
+        ReplicaError: a daemon of another job (token) answers where ``start_daemon`` is off.
     """
     topo, cfg = job.topology, job.cfg
-    address = placement.daemon_address(topo.node, cfg)
+    address = lost or placement.daemon_address(topo.node, cfg)
     host = address.rsplit(":", 1)[0]
     if topo.num_nodes > 1 and not cfg.simulated_nodes and placement.is_loopback(host):
         how = ("Config.daemon_host (FFSTATE_DAEMON_HOST) says so" if cfg.daemon_host else
@@ -43,11 +46,15 @@ def node_daemon(job: Job, publish: bool = True) -> Client:
                            f"address the other {topo.num_nodes - 1} node(s) cannot reach ({how}); its replicas would "
                            "never leave their nodes. Set FFSTATE_DAEMON_HOST to this node's address on the network "
                            "the training uses, or GLOO_SOCKET_IFNAME to that interface")
+    if lost is None and not topo.first_on_node and job.store is not None:
+        address = job.daemon_addresses([topo.node])[0]  # where the node's first rank found or started it
+    elif lost is None and topo.first_on_node:
+        address = _claim(job, address)
     client = job.client(address)
     # At entry the node's first rank starts it. A daemon lost while training runs is started again by whichever
     # local rank finds it gone first: waiting for the first rank could wait for ever, since that rank may be
     # inside a collective that waits for this one.
-    if cfg.start_daemon and (topo.first_on_node or not publish):
+    if cfg.start_daemon and (topo.first_on_node or lost):
         with _starting(job.run_dir, topo.node_id) as started:
             if not started() and not answers(client):
                 pid = start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
@@ -68,12 +75,41 @@ def node_daemon(job: Job, publish: bool = True) -> Client:
         except ReplicaError as e:
             if e.code == "UNAUTHENTICATED":
                 raise ReplicaError(f"the daemon at {address} belongs to another job or token ({e}); set "
-                                   "FFSTATE_TOKEN to the job's token or FFSTATE_BASE_PORT to free ports",
+                                   "FFSTATE_TOKEN to the job's token (the token `ffstate serve` was given)",
                                    e.code) from None
             raise
-    if publish:
+    if lost is None and topo.first_on_node:
         job.publish_daemon(topo.node, address)
     return client
+
+
+PORTS_TRIED = 16  # ports a node's first rank tries past the daemon port when other jobs' daemons hold them
+
+
+def _claim(job: Job, address: str) -> str:
+    """The node's daemon address for this job: the daemon port unless a daemon of another job answers there (then
+    the next port, a node's share of them apart for simulated nodes); where this job's daemon, or nothing,
+    answers. With ``start_daemon`` off, the daemon port as it is (the daemon there is the user's)."""
+    cfg = job.cfg
+    if not cfg.start_daemon:
+        return address
+    host, port = address.rsplit(":", 1)
+    stride = cfg.simulated_nodes or 1
+    for i in range(PORTS_TRIED):
+        candidate = f"{host}:{int(port) + i * stride}"
+        try:
+            with Client(candidate, job.token, timeout=2.0, retries=0) as probe:
+                probe.inventory(job.job)
+            return candidate  # this job's daemon (a restart of the job)
+        except ReplicaUnavailable:
+            return candidate  # nothing there: it starts here
+        except ReplicaError as e:
+            if e.code != "UNAUTHENTICATED":
+                return candidate
+            log.warning("rank %d: %s is held by a daemon of another job (another token): node %s's daemon goes to "
+                        "the next port", job.rank, candidate, job.topology.node_id)
+    raise FFStateError(f"rank {job.rank}: {PORTS_TRIED} ports from {address} are held by daemons of other jobs; "
+                       "stop them (`ffstate status` on this node lists them) or set FFSTATE_BASE_PORT")
 
 
 def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
@@ -115,9 +151,15 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
 def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:
     """Starts ``ffstate serve`` with ``dcfg``'s flags, in a session of its own (it outlives this worker and
     torchrun's restarts of it), logging to the run folder, where its address goes too (``local_daemons`` finds it
-    there); the token goes in its environment. Returns its pid."""
+    there); the token goes in its environment, and in a file only the user reads (``ffstate status`` asks the
+    daemon with it). Returns its pid."""
     args = [sys.executable, "-m", "ffstate.cli", "serve", *dcfg.to_args()]
     (run_dir / f"daemon-{dcfg.node_id}.address").write_text(f"{dcfg.host}:{dcfg.port}")
+    token_file = run_dir / f"daemon-{dcfg.node_id}.token"
+    tmp = token_file.with_name(f"{token_file.name}.{os.getpid()}.tmp")
+    with os.fdopen(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o600), "w") as f:
+        f.write(token)
+    os.replace(tmp, token_file)
     with open(run_dir / f"daemon-{dcfg.node_id}.log", "a") as out:
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                 env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True).pid
@@ -145,9 +187,9 @@ def local_daemons(job: str = "") -> list[Found]:
         if job and name != job:
             continue
         try:
-            token = (run_dir / "token").read_text().strip()
+            kept = (run_dir / "token").read_text().strip()
         except OSError:
-            token = ""
+            kept = ""
         for pid_file in sorted(run_dir.glob("daemon-*.pid")):
             node_id = pid_file.name[len("daemon-"):-len(".pid")]
             try:
@@ -155,6 +197,10 @@ def local_daemons(job: str = "") -> list[Found]:
                 address = (run_dir / f"daemon-{node_id}.address").read_text().strip()
             except (OSError, ValueError):
                 continue
+            try:
+                token = (run_dir / f"daemon-{node_id}.token").read_text().strip()
+            except OSError:
+                token = kept
             if _alive(pid) and placement.is_local(address.rsplit(":", 1)[0]):
                 out.append(Found(address, token or os.environ.get("FFSTATE_TOKEN", ""), name, node_id, pid))
     return out

@@ -48,3 +48,46 @@ def test_a_razor_declaration_that_names_nothing_is_refused_at_entry(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("refused at entry: Config.razor_identical names ['optim/stat']") == 2, proc.stdout
     assert "entered" not in proc.stdout
+
+
+def test_a_daemon_left_by_a_job_that_ended_badly_blocks_no_one_and_status_finds_it(tmp_path):
+    """Job A is SIGKILLed and leaves its daemon up (it waits out its idle time); job B, another token on the same
+    machine and port, starts its daemon on the next port and trains. `ffstate status`, no flags and no token given,
+    finds A's daemon from A's run folder, and piped, cuts no column."""
+    port = free_ports(3)
+    single = Path(__file__).resolve().parents[1] / "procs" / "single.py"
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "FFSTATE_BASE_PORT": str(port), "TMPDIR": str(tmp_path)}
+    base.pop("FFSTATE_TOKEN", None)
+    a_job, b_job = f"stale-a-{uuid.uuid4().hex}", f"next-b-{uuid.uuid4().hex}"
+    a_env = {**base, "FFSTATE_JOB_ID": a_job, "FFSTATE_TOKEN": "token-a"}
+    b_env = {**base, "FFSTATE_JOB_ID": b_job, "FFSTATE_TOKEN": "token-b"}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a_pid = None
+    try:
+        a = subprocess.run([sys.executable, str(single), str(tmp_path / "a"), "5", "--kill-after", "2"],
+                           capture_output=True, text=True, env=a_env, timeout=90)
+        assert a.returncode == -9, a.stderr[-2000:]
+        a_pid = int((tmp_path / f"ffstate-{a_job}" / "daemon-node0.pid").read_text())
+        assert (tmp_path / f"ffstate-{a_job}" / "daemon-node0.address").read_text().endswith(f":{port}")
+        b = subprocess.run([sys.executable, str(single), str(tmp_path / "b"), "3"], capture_output=True, text=True,
+                           env=b_env, timeout=90)
+        assert b.returncode == 0, b.stderr[-3000:]
+        assert "held by a daemon of another job" in b.stderr, b.stderr[-3000:]
+        assert (tmp_path / "b" / "final.pt").exists()
+
+        status = subprocess.run([sys.executable, "-m", "ffstate.cli", "status"], capture_output=True, text=True,
+                                env={**base, "COLUMNS": "80"}, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert a_job in status.stdout, status.stdout  # the whole id, not cut to the terminal's width
+        assert f":{port}" in status.stdout and "local" in status.stdout
+    finally:
+        if a_pid:
+            os.kill(a_pid, 9)
+
+
+def test_status_with_no_daemon_on_the_node_says_how_to_name_one(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert out.returncode != 0
+    assert "--daemon HOST:PORT" in out.stderr
