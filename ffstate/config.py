@@ -268,8 +268,8 @@ class DaemonConfig:
     """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
     the token comes from ``--token-file`` or ``$FFSTATE_TOKEN``, never from the command line."""
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port (printed and logged)
+    host: str = ""  # "": this node's address on the training's network, found as the workers find it
+    port: int = 7700  # Config.base_port: where the workers look for their node's daemon; 0: any free port
     node_id: str = field(default_factory=_host_name)
     peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
     memory_limit: int = 0  # bytes; 0: a quarter of the host's RAM

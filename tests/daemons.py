@@ -66,7 +66,7 @@ class DaemonFactory:
     def start(self, *extra: str, node_id: str | None = None, port: int = 0, tls: bool = False) -> Daemon:
         node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
         log_path = self.tmp / f"{node_id}-{len(self.daemons)}.log"
-        args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--port", str(port),
+        args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),
                 "--token-file", str(self.token_file), *extra]
         out = open(log_path, "w")
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True,

@@ -256,7 +256,8 @@ def test_a_second_daemon_on_a_port_in_use_fails_clearly(daemons):
     """gRPC servers share a port by default (SO_REUSEPORT): a second daemon there would take half the RPCs."""
     d = daemons.start()
     port = d.address.rsplit(":", 1)[1]
-    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "second", "--port", port,
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "second", "--host", "127.0.0.1",
+                          "--port", port,
                           "--token-file", str(daemons.token_file)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and f"cannot listen on 127.0.0.1:{port}: the address is in use" in out.stderr, out
     with d.client() as c:
