@@ -51,11 +51,11 @@ FIRST_TIMED = 2  # steps 0 and 1: attach, the full version, the counters' baseli
 # mode: (Config.razor, the daemons' scheduler, Config.replicas)
 MODES = {"local": ("off", "windows", 0), "naive": ("auto", "naive", 1), "scheduler": ("auto", "windows", 1),
          "razor-off": ("off", "windows", 1), "razor-on": ("auto", "windows", 1), "unprofiled": ("auto", "windows", 1),
-         "lag1": ("auto", "windows", 1), "persist": ("auto", "windows+persist", 1),
+         "lag1": ("auto", "windows", 1), "lag4": ("auto", "windows", 1), "persist": ("auto", "windows+persist", 1),
          "nowatch": ("auto", "windows+nowatch", 1)}
 PLAIN = ("off", "async-save")  # modes without ffstate
 PROFILE_STEPS = {"unprofiled": 0}  # Config.profile_steps where not the default
-MAX_LAG = {"lag1": 1}  # Config.max_lag where not the default
+MAX_LAG = {"lag1": 1, "lag4": 4}  # Config.max_lag where not the default (1)
 
 
 class AsyncSaver:
