@@ -239,6 +239,8 @@ class Replicated:
             self._stacks.close()
             self._stacks = None
         self.pacing.close()
+        if self._writer is not None:
+            self._writer.close()
         if self._slots is not None:
             self._slots.close()
         self.job.close()
@@ -313,6 +315,8 @@ class Replicated:
     def _detach(self) -> None:
         if self._slots is not None:
             self.pacing.attach(None)
+            if self._writer is not None:
+                self._writer.close()
             self._slots.close()
             self._slots = self._writer = None
 
