@@ -94,7 +94,15 @@ def record(name: str, text: str) -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    command = "ffstate bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else " ".join(sys.argv)
+    args = sys.argv[2:] if sys.argv[1:2] == ["bench"] else sys.argv[1:]
+    for i, a in enumerate(args):  # where the results went is not what was measured (and names this machine)
+        if a == "--out":
+            args = args[:i] + args[i + 2:]
+            break
+        if a.startswith("--out="):
+            args = args[:i] + args[i + 1:]
+            break
+    command = " ".join(["ffstate bench" if sys.argv[1:2] == ["bench"] else Path(sys.argv[0]).name, *args])
     return (f"# {name}, {datetime.date.today().isoformat()}\n\n"
             f"- command: `{command}`\n- machine: {os.cpu_count()} cores ({cpu}), GPU: {gpu}\n"
             f"- Python {platform.python_version()}, torch {torch.__version__}, commit {commit}\n\n"
