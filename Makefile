@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo proto clean
+.PHONY: install test bench demo proto docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 # Regenerates the gRPC stubs in ffstate/_proto/ from proto/ (checked in; a test checks they are current).
 proto: $(STAMP)
 	$(PY) proto/generate.py
+
+# Regenerates docs/configuration.md from Config, DaemonConfig and `ffstate serve`'s flags (a test checks it is current).
+docs: $(STAMP)
+	$(PY) -m ffstate.configdoc > docs/configuration.md
 
 bench: $(STAMP)
 	$(VENV)/bin/ffstate bench codec

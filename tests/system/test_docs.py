@@ -53,3 +53,12 @@ def test_the_elastic_page_s_example_resumes_at_another_world_size(tmp_path):
     assert [(e["from_world"], e["world"]) for e in resized] == [(2, 1)], resized
     assert 12 - Config().max_lag <= resized[0]["version"] <= 12, resized
     assert [e["step"] for e in events if e["event"] == "finished"] == [40]
+
+
+def test_the_configuration_page_is_what_the_code_says():
+    """docs/configuration.md is generated from Config, DaemonConfig and `ffstate serve`'s flags: every field,
+    its environment variable, flag, default and meaning (regenerate: python -m ffstate.configdoc)."""
+    from ffstate import configdoc
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == configdoc.table(), \
+        "docs/configuration.md is stale: python -m ffstate.configdoc > docs/configuration.md"

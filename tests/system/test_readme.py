@@ -1,4 +1,4 @@
-"""The README's examples run as written."""
+"""The examples of the README and of the docs pages run as written."""
 
 import re
 from pathlib import Path
@@ -6,8 +6,8 @@ from pathlib import Path
 from helpers import KILL_WRAPPER
 
 
-def test_readme_codec_example_runs(capsys):
-    text = (Path(__file__).parents[2] / "README.md").read_text()
+def test_the_internals_page_s_codec_example_runs(capsys):
+    text = (Path(__file__).parents[2] / "docs" / "internals.md").read_text()
     codec_section = text[text.index("## The codec"):]
     block = re.search(r"```python\n(.*?)```", codec_section, re.S).group(1)
     exec(compile(block, "README.md", "exec"), {})
@@ -24,7 +24,7 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
     import uuid
 
     text = (Path(__file__).parents[2] / "README.md").read_text()
-    section = text[text.index("## Training with ffstate"):]
+    section = text[text.index("## Add it to a training loop"):]
     (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     env = {**{k: v for k, v in os.environ.items() if k != "FFSTATE_TOKEN"}, "STEPS": "4",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",
@@ -38,8 +38,8 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
 
 
 
-def test_readme_bit_exact_resume_example_resumes_bit_exact_at_an_epochs_end(tmp_path):
-    """The README's loop, as written, under torchrun (2 ranks): rank 1 SIGKILLed right after the commit that
+def test_the_integration_page_s_loop_resumes_bit_exact_at_an_epochs_end(tmp_path):
+    """docs/integration.md's loop, as written, under torchrun (2 ranks): rank 1 SIGKILLed right after the commit that
     ends an epoch (16 batches a rank), and the final parameters equal a run without the failure, bit for bit."""
     import json
     import os
@@ -50,8 +50,8 @@ def test_readme_bit_exact_resume_example_resumes_bit_exact_at_an_epochs_end(tmp_
     from ffstate.bench._report import free_ports
     from ffstate.testing.bitwise import compare_runs
 
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    section = text[text.index("### Bit-exact resume"):]
+    text = (Path(__file__).parents[2] / "docs" / "integration.md").read_text()
+    section = text[text.index("## Bit-exact resume"):]
     (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     (tmp_path / "kill.py").write_text(KILL_WRAPPER)
     runs = {}
