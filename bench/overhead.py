@@ -103,7 +103,7 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
                 flags += ["--link-bandwidth", str(int(netns.rate_bytes_per_s(link.rate)))]
             pinned = ["taskset", "-c", pin[1], *serve] if pin else serve
             if link is None:
-                args = [*pinned, "--port", str(base + n), *flags]
+                args = [*pinned, "--host", "127.0.0.1", "--port", str(base + n), *flags]
             else:
                 args = link.cmd(n, [*pinned, "--host", link.addresses[n], "--port", str(base), *flags])
             daemons.append((scheduler, _serve(args, token, work / f"daemon-{tag}-{scheduler}-{n}.log")))
