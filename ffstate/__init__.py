@@ -1,11 +1,25 @@
 """ffstate: bit-exact, in-memory peer replication of PyTorch training state.
 
 The public names live here; everything else is importable by its module path (``ffstate.codec``...).
+``replicate`` is loaded on first use: the daemon and the command line import the package without the training
+side (torch.distributed, DCP), which costs a process a second or more to import.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ffstate.config import Config
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.trainer import replicate
+
+if TYPE_CHECKING:
+    from ffstate.trainer import replicate
 
 __all__ = ["CodecError", "Config", "FFStateError", "ReplicaError", "ReplicaUnavailable", "replicate"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "replicate":
+        from ffstate.trainer import replicate
+
+        return replicate
+    raise AttributeError(f"module 'ffstate' has no attribute {name!r}")

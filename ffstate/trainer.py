@@ -26,8 +26,8 @@ from ffstate.commit import SlotWriter
 from ffstate.config import Config
 from ffstate.daemon import launch
 from ffstate.daemon.persister import FINAL_WAIT
-from ffstate.elastic import resize, rules
-from ffstate.elastic.reader import KEYS, keys_tensor
+from ffstate.elastic import rules
+from ffstate.elastic.keys import KEYS, keys_tensor
 from ffstate.elastic.worker import ShapeWatch
 from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
@@ -107,8 +107,7 @@ class Replicated:
         self._register_stacks()
         log.info("rank %d: razor: %s", job.rank, groups.reason if groups else razor.why_not(job.world, self.cfg))
         got = recovery.restore(job, self.daemon, self.holders, groups.ranks if groups else (), self._load, self._t0,
-                               resize=lambda old, disk: resize.restore(job, self.daemon, old, disk, self._reshard,
-                                                                       self._t0))
+                               resize=self._resize_restore)
         if got is not None:  # the slots' versions past v* go at attach: the steps about to be redone
             self.restored, self.start_step, self._last, self.lag.replicated = got, got.version, got.version, got.version
             self._restore_report = (got.version, got.steps_lost, got.seconds, got.entry_seconds, got.from_world)
@@ -157,8 +156,17 @@ class Replicated:
             log.info("rank %d: waited %.1fs for node %s's daemon's flushing process", self.rank, waited,
                      self.topology.node_id)
 
+    def _resize_restore(self, old: int, disk: Any) -> Any:
+        """A restore from copies made at another world size (``ffstate/elastic/``; imported here, at a resize:
+        it brings torch.distributed.checkpoint, a second of every worker's start otherwise)."""
+        from ffstate.elastic import resize
+
+        return resize.restore(self.job, self.daemon, old, disk, self._reshard, self._t0)
+
     def _reshard(self, states: dict[int, Any], prefer: list[int]) -> None:
         """Copies made at another world size, into this run's objects (``ffstate/elastic/``)."""
+        from ffstate.elastic import resize
+
         resize.load(self.job, self.model, self.optimizer, self.lr_scheduler, self.extra, self.cfg, states, prefer)
 
     def _load(self, state: dict) -> None:

@@ -12,7 +12,6 @@ the one a DCP load of a consolidated copy of v* gives, by construction.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from typing import Any
@@ -26,20 +25,11 @@ from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from ffstate import layout, razor
+from ffstate.elastic.keys import KEYS, keys_tensor  # noqa: F401  (keys_tensor: re-exported)
 from ffstate.errors import FFStateError
 from ffstate.persist.items import check_keys, keyed
 
 log = logging.getLogger("ffstate.elastic")
-
-KEYS = ("ffstate", "keys")  # where a captured state carries its worker's key map (a uint8 tensor of JSON)
-
-
-def keys_tensor(keys: dict) -> torch.Tensor:
-    """A key map as the tensor a commit carries (its JSON bytes; the attempt's timeline left out: it changes at
-    every restart, the keys do not)."""
-    text = json.dumps({k: v for k, v in keys.items() if k != "timeline"}, separators=(",", ":")).encode()
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8)
-
 
 def keys_of(state: Any, rank: int) -> dict:
     """The key map a rank's captured state carries (checked: bounded, well formed).
