@@ -6,10 +6,10 @@
 
 At every resize each new rank compares every tensor of what ffstate restored, bit for bit, with what DCP's own
 reader loads at the new world size from the job's consolidated copy of v* (tests/procs/elastic.py), and the data
-position (an ElasticSampler) goes on from the same global sample. DDP also: a per-rank extra without a hook is
-refused by name and loses nothing (the next launch resumes from the same copies); the persistent tier's versions
-follow the job's shape; and the whole job lost after the last resize resumes at yet another size (3 -> 2) from the
-persisted versions alone. The two-node run under `torchrun --nnodes 1:2` and the drain are in
+position (an ElasticSampler) goes on from the same global sample. ZeRO and FSDP2 take that whole sequence. DDP
+takes its shrink and a test of its own: a per-rank extra without a hook is refused by name and loses nothing (the
+next launch resumes from the same copies); the persistent tier's versions follow the job's shape; and the whole
+job lost after the resize grows back (2 -> 3) from the persisted versions alone. The two-node run under `torchrun --nnodes 1:2` and the drain are in
 test_elastic_torchrun.py.
 """
 
@@ -109,31 +109,36 @@ def test_shrink_grow_and_shrink_again_restore_what_dcp_loads_at_the_new_size(tmp
     print(parallel, [(s["from_world"], s["world"], s["v"], s["lost"], s["tensors"]) for s in steps])
 
 
-def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_survive_the_whole_job_lost(tmp_path):
+def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_grow_from_it_after_the_whole_job_lost(
+        tmp_path):
+    """DDP (the razor's parts put back together): 4 -> (node lost) a refused relaunch -> 2 ranks, the persisted
+    versions in the new shape, then the whole job lost and grown back to 3 ranks from the persisted versions alone
+    (ZeRO and FSDP2 take the whole shrink, grow, shrink sequence above)."""
+    from ffstate import Config
+
     store = tmp_path / "persist"
     job = Job(tmp_path, "ddp", store, "--per-rank-extra", "hooked")
-
-    def refused_then_untouched() -> None:
+    try:
+        job.run(4, 2, 6, "--kill-node-after", "4", ok=False)
         proc = job.run(2, 1, 8, "--per-rank-extra", "plain", ok=False)  # its author has not written the hook yet
         text = proc.stdout + proc.stderr
         assert "cannot resume at world size 2 from copies made at 4" in text, text[-3000:]
         assert "extra/per_rank (PerRank) holds per-rank state" in text and "reshard_state_dict" in text
         assert not list(job.out.glob("check-v*-w2-*.json"))  # refused before anything was loaded
-
-    try:
-        shrink, grow, shrink3 = sequence(job, before_shrink=refused_then_untouched)
-        shapes = persist.worlds(store / job.job)  # the versions after the last resize are of its shape
-        assert shapes.get(3, 0) > shrink3["v"] and all(v <= shrink3["v"] for w, v in shapes.items() if w != 3), shapes
+        job.run(2, 1, 9)  # the same copies, untouched by the refusal; a clean end
+        shrink = resized(job, 2, 4, Config().max_lag)
+        shapes = persist.worlds(store / job.job)  # the versions after the resize are of its shape
+        assert shapes.get(2, 0) == 9 and all(v <= shrink["v"] for w, v in shapes.items() if w != 2), shapes
         job.stop_daemons()  # the whole job lost (its clean end dropped every copy in memory): the persisted ones only
-        job.run(2, 1, 15)
-        from_disk = resized(job, 2, 3, 1)
-        assert from_disk["v"] == shapes[3]
+        job.run(3, 1, 12)
+        from_disk = resized(job, 3, 2, 0)
+        assert from_disk["v"] == 9
     finally:
         job.stop_daemons()
     events = [json.loads(line) for line in (tmp_path / f"ffstate-{job.job}" / "events.jsonl").read_text().splitlines()]
-    last = [e for e in events if e["event"] == "restored" and e.get("from_world") == 3]
-    assert len(last) == 2 and all(src.startswith("persisted") for e in last for src in e["parts_from"].values()), last
-    print("ddp", [(s["from_world"], s["world"], s["v"], s["lost"]) for s in (shrink, grow, shrink3, from_disk)])
+    last = [e for e in events if e["event"] == "restored" and e.get("from_world") == 2]
+    assert len(last) == 3 and all(src.startswith("persisted") for e in last for src in e["parts_from"].values()), last
+    print("ddp", [(s["from_world"], s["world"], s["v"], s["lost"]) for s in (shrink, from_disk)])
 
 
 def test_a_resize_with_an_old_rank_s_copies_all_lost_names_it(tmp_path):
