@@ -81,6 +81,8 @@ class Persister:
         self._lock = threading.Lock()
         self._writing: tuple[str, int] | None = None  # (job, version) being written
         self._decided: collections.OrderedDict[tuple[str, int], bool] = collections.OrderedDict()
+        # (job, rank, world, version) of each rank's copy queued for writing: what final() need not flush again
+        self._queued: collections.OrderedDict[tuple[str, int, int, int], bool] = collections.OrderedDict()
         self._logged: dict[str, float] = {}
         self._flusher = Flusher(nice)
         self._closing = False
@@ -133,6 +135,13 @@ class Persister:
             self.release(data.numel())
             self.stats.skipped += 1
             return
+        self._queue_copy(key, version, copy, checksum)
+
+    def _queue_copy(self, key: ShardKey, version: int, copy: Copy, checksum: int) -> None:
+        with self._lock:
+            self._queued[(key.job_id, key.rank, key.world_size, version)] = True
+            while len(self._queued) > DECIDED * 64:
+                self._queued.popitem(last=False)
         self._queue.put(_Job(key, version, copy, checksum))
 
     def final(self, shards: list, wait: float = FINAL_WAIT) -> list[str]:
@@ -146,8 +155,8 @@ class Persister:
                 continue
             (version, snap), key, keys = got, shard.key, shard.persist_keys
             manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
-            with self._lock:
-                if self._decided.get((key.job_id, version)):
+            with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
+                if (key.job_id, key.rank, key.world_size, version) in self._queued:
                     said.append(f"{key}: its last version {version} was flushed already")
                     continue
                 self._decided[(key.job_id, version)] = True
@@ -157,7 +166,7 @@ class Persister:
             except (ReplicaError, OSError) as e:
                 said.append(f"{key}: its last version {version} cannot be flushed: {e}")
                 continue
-            self._queue.put(_Job(key, version, copy, checksum))
+            self._queue_copy(key, version, copy, checksum)
             said.append(f"{key}: its last version {version} flushed")
         deadline = time.monotonic() + wait
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
