@@ -71,8 +71,9 @@ def main(args: argparse.Namespace) -> int:
             rows.append((address, inv, s, key))
     now = time.time()
     for address, inv, s, key in rows:
-        if s.local:
-            lag = str(s.version - s.replicated_version) if s.version else "-"
+        if s.local:  # "-": nothing to lag behind (no version yet, or no holder: a one-node job)
+            lag = str(s.version - s.replicated_version) if s.version and (s.replicated_version or s.pushed_versions) \
+                else "-"
         else:
             lag = str(owners[key] - s.version) if key in owners else "?"
         age = f"{now - s.last_update_unix:.1f}s ago" if s.last_update_unix else "-"

@@ -170,10 +170,11 @@ def warn_early(job: Any, state: dict, extra: Any) -> None:
         return
     found = [f"rng/{k} differs across the ranks" for k in sums if any(t.get(k) != sums[k] for t in told)]
     found += [f"{path} has per-rank state and no {HOOK} hook" for path in _unhooked(extra, "extra")]
-    if found:
-        log.warning("rank 0: if this job is ever resumed at another world size (torchrun --nnodes MIN:MAX), the resize "
-                    "will be refused: %s. Seed every rank's generators alike or set FFSTATE_RESIZE_RNG=keep; give such "
-                    "extras a hook (docs/elastic.md)", "; ".join(found))
+    if found:  # said at the first attempt; a restart's would say it again
+        say = log.warning if job.attempt == 0 else log.info
+        say("rank 0: if this job is ever resumed at another world size (torchrun --nnodes MIN:MAX), the resize "
+            "will be refused: %s. Seed every rank's generators alike or set FFSTATE_RESIZE_RNG=keep; give such "
+            "extras a hook (docs/elastic.md)", "; ".join(found))
 
 
 def _unhooked(extra: Any, path: str) -> list[str]:
