@@ -17,7 +17,8 @@ so it watches them, with no thread in the training process and no code in the us
   (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang), the
   end of a commit held by the lag policy on any of the job's local ranks (``lag.py``: bounded on its own, and
   the node's other ranks wait for the held one in their collectives).
-- **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's), the
+- **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's; with it every
+  local rank of the job silent as long, since the ranks' deadlines differ only by how their medians were sampled), the
   daemon sends SIGUSR1 to every local rank of that job (each worker registered ``faulthandler`` for it at
   entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder), waits a second,
   logs where each one's main thread is (its innermost frame, and the innermost outside torch: the rank that
@@ -151,7 +152,7 @@ class Watchdog:
                     self.held_seen[key.job_id] = now
             except (ValueError, OSError, TypeError):  # slots closed meanwhile
                 continue
-        stuck: dict[str, list[ShardKey]] = collections.defaultdict(list)
+        silent: dict[str, list[tuple[ShardKey, float, float]]] = collections.defaultdict(list)
         with self._lock:
             for key in [k for k in self.ranks if k not in seen]:
                 del self.ranks[key]
@@ -170,12 +171,16 @@ class Watchdog:
                 deadline = self._deadline(w)
                 w.report = WatchReport(_median(w.steps), _median(w.computes), 0.0 if paused else since, deadline,
                                        paused, self.hangs[key], 0.0, w.pid)
-                if not paused and since > deadline and not w.acted and self.cfg.hang_action != "off" \
-                        and alive(w.pid):
-                    stuck[key.job_id].append(key)
+                if not paused and not w.acted and self.cfg.hang_action != "off" and alive(w.pid):
+                    silent[key.job_id].append((key, since, deadline))
             self._stragglers(now)
-        for job, keys in stuck.items():
-            self._act(job, keys, now)
+        # A job's ranks wait for each other: when one is past its deadline, every local rank of the job silent as
+        # long is named with it (their deadlines differ by the sampling of their medians, not by what they do; the
+        # stacks then show which one is in its own code and which wait in a collective).
+        for job, ranks in silent.items():
+            crossed = [deadline for _, since, deadline in ranks if since > deadline]
+            if crossed:
+                self._act(job, [key for key, since, _ in ranks if since > min(crossed)], now)
 
     def _observe(self, w: RankWatch, commits: list[tuple[int, float, float]],
                  intervals: list[tuple[float, float]]) -> None:
