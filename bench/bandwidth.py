@@ -79,9 +79,10 @@ def start_daemon(token: str, memory: int, host: str = "127.0.0.1", prefix: Seque
                  extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
     """An ``ffstate serve`` on ``host`` (run under ``prefix``, e.g. ``ip netns exec NS``; ``extra``: more flags);
     (process, address)."""
-    proc = subprocess.Popen([*prefix, sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--host", host, "--port", "0",
-                             "--memory-limit", str(memory), "--max-chunk-bytes", "64M", *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, env={**os.environ, "FFSTATE_TOKEN": token})
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "bench", "--host", host,
+                             "--port", "0", "--memory-limit", str(memory), "--max-chunk-bytes", "64M", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "FFSTATE_TOKEN": token})
     line = proc.stdout.readline()
     if "listening on" not in line:
         proc.kill()

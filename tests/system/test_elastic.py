@@ -9,8 +9,8 @@ reader loads at the new world size from the job's consolidated copy of v* (tests
 position (an ElasticSampler) goes on from the same global sample. ZeRO and FSDP2 take that whole sequence. DDP
 takes its shrink and a test of its own: a per-rank extra without a hook is refused by name and loses nothing (the
 next launch resumes from the same copies); the persistent tier's versions follow the job's shape; and the whole
-job lost after the resize grows back (2 -> 3) from the persisted versions alone. The two-node run under `torchrun --nnodes 1:2` and the drain are in
-test_elastic_torchrun.py.
+job lost after the resize grows back (2 -> 3) from the persisted versions alone. The two-node run under
+`torchrun --nnodes 1:2` and the drain are in test_elastic_torchrun.py.
 """
 
 import json
