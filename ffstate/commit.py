@@ -67,4 +67,3 @@ class SlotWriter:
     def wait_timed_out(self) -> bool:
         """Whether the last commit overwrote a version the daemon had not read (see ``Slots.begin``)."""
         return self.slots.wait_timed_out
-
