@@ -54,19 +54,22 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     # At entry the node's first rank starts it. A daemon lost while training runs is started again by whichever
     # local rank finds it gone first: waiting for the first rank could wait for ever, since that rank may be
     # inside a collective that waits for this one.
-    if cfg.start_daemon and (topo.first_on_node or lost):
-        with _starting(job.run_dir, topo.node_id) as started:
-            if not started() and not answers(client):
-                pid = start(daemon_config(cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
-                started(pid)
-                log.info("rank %d: started the daemon of %s at %s (log %s)", job.rank, topo.node_id, address,
-                         job.run_dir / f"daemon-{topo.node_id}.log")
+    starts = cfg.start_daemon and (topo.first_on_node or lost)
     deadline = time.monotonic() + cfg.connect_timeout
+    pid = _start_once(job, address, client) if starts else 0
     while True:
         try:
             client.inventory(job.job)
             break
         except ReplicaUnavailable:
+            if pid and not _alive(pid) and lost is None:
+                # It could not listen there (a port another program took after it was found free): the next one.
+                log.warning("rank %d: the daemon started for %s at %s exited without answering (%s); trying the "
+                            "next port", job.rank, topo.node_id, address, _log_tail(job.run_dir, topo.node_id))
+                address = _claim(job, address, skip=address)
+                client = job.client(address)
+                pid = _start_once(job, address, client)
+                continue
             if time.monotonic() > deadline:
                 raise ReplicaUnavailable(f"rank {job.rank}: no ffstate daemon answers at {address} for node "
                                          f"{topo.node_id}; run `ffstate serve --port {address.rsplit(':', 1)[1]}` "
@@ -83,20 +86,53 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     return client
 
 
+def _start_once(job: Job, address: str, client: Client) -> int:
+    """Starts the node's daemon at ``address`` unless one of the node's ranks already is starting one or something
+    answers there; returns the pid of the daemon starting (0: none)."""
+    topo = job.topology
+    with _starting(job.run_dir, topo.node_id) as started:
+        pid = started()
+        if pid or answers(client):
+            return pid
+        pid = start(daemon_config(job.cfg, topo.node, topo.node_id, address, job.run_dir), job.token, job.run_dir)
+        started(pid)
+    log.info("rank %d: started the daemon of %s at %s (log %s)", job.rank, topo.node_id, address,
+             job.run_dir / f"daemon-{topo.node_id}.log")
+    return pid
+
+
+def _log_tail(run_dir: Path, node_id: str) -> str:
+    """The last line of a daemon's log that says why it stopped, for a warning."""
+    try:
+        lines = (run_dir / f"daemon-{node_id}.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return "no log"
+    return next((ln for ln in reversed(lines) if ln.strip()), "empty log")[-300:]
+
+
 PORTS_TRIED = 16  # ports a node's first rank tries past the daemon port when other jobs' daemons hold them
 
 
-def _claim(job: Job, address: str) -> str:
-    """The node's daemon address for this job: the daemon port unless a daemon of another job answers there (then
-    the next port, a node's share of them apart for simulated nodes); where this job's daemon, or nothing,
-    answers. With ``start_daemon`` off, the daemon port as it is (the daemon there is the user's)."""
+def _claim(job: Job, address: str, skip: str = "") -> str:
+    """The node's daemon address for this job: where this job's daemon already answers (the address its run folder
+    records: a restart of the job), else the daemon port unless a daemon of another job answers there (then the
+    next port, a node's share of them apart for simulated nodes), where nothing answers. ``skip``: an address found
+    unusable (a daemon started there could not listen): the search goes on past it. With ``start_daemon`` off, the
+    daemon port as it is (the daemon there is the user's)."""
     cfg = job.cfg
     if not cfg.start_daemon:
         return address
+    try:
+        recorded = (job.run_dir / f"daemon-{job.topology.node_id}.address").read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded and recorded != skip and _ours(job, recorded):
+        return recorded
     host, port = address.rsplit(":", 1)
     stride = cfg.simulated_nodes or 1
+    first = int(port) + (stride if skip == address else 0)
     for i in range(PORTS_TRIED):
-        candidate = f"{host}:{int(port) + i * stride}"
+        candidate = f"{host}:{first + i * stride}"
         try:
             with Client(candidate, job.token, timeout=2.0, retries=0) as probe:
                 probe.inventory(job.job)
@@ -110,6 +146,16 @@ def _claim(job: Job, address: str) -> str:
                         "the next port", job.rank, candidate, job.topology.node_id)
     raise FFStateError(f"rank {job.rank}: {PORTS_TRIED} ports from {address} are held by daemons of other jobs; "
                        "stop them (`ffstate status` on this node lists them) or set FFSTATE_BASE_PORT")
+
+
+def _ours(job: Job, address: str) -> bool:
+    """Whether a daemon answers at ``address`` with this job's token."""
+    try:
+        with Client(address, job.token, timeout=2.0, retries=0) as probe:
+            probe.inventory(job.job)
+        return True
+    except ReplicaError:
+        return False
 
 
 def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
@@ -207,26 +253,28 @@ def local_daemons(job: str = "") -> list[Found]:
 
 
 @contextlib.contextmanager
-def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., bool]]:
+def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., int]]:
     """The node's ranks start its daemon one at a time (a lock file in the run folder). Inside, ``started()`` says
     whether a daemon started by one of them is still starting (its process alive: it listens within seconds), and
-    ``started(pid)`` records one: two ranks that find the daemon gone together start one, not two."""
+    ``started(pid)`` records one: two ranks that find the daemon gone together start one, not two. ``started()``
+    gives the pid of that daemon while it runs, else 0."""
     path = run_dir / f"daemon-{node_id}.starting"
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            def started(pid: int | None = None) -> bool:
+            def started(pid: int | None = None) -> int:
                 if pid is not None:
                     f.seek(0)
                     f.truncate()
                     f.write(str(pid))
                     f.flush()
-                    return True
+                    return pid
                 f.seek(0)
                 try:
-                    return _alive(int(f.read().strip() or 0))
+                    recorded = int(f.read().strip() or 0)
                 except ValueError:
-                    return False
+                    return 0
+                return recorded if _alive(recorded) else 0
 
             yield started
         finally:

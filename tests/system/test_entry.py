@@ -1,7 +1,9 @@
 """What can be known at entry is refused at entry, with the path of the offending entry, before any daemon is
 started or training begins (a real process group for the razor's declaration)."""
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -84,6 +86,39 @@ def test_a_daemon_left_by_a_job_that_ended_badly_blocks_no_one_and_status_finds_
     finally:
         if a_pid:
             os.kill(a_pid, 9)
+
+
+def test_a_port_another_program_holds_moves_the_daemon_on_and_a_restart_finds_it_there(tmp_path):
+    """A program that is not a daemon holds the daemon port (a port found free, then taken): the daemon started there
+    cannot listen and exits; the rank says so and starts it on the next port. Killed and started again once the port
+    is free, the job goes back to its own daemon (the address its run folder records), not a second one."""
+    port = free_ports(2)
+    single = Path(__file__).resolve().parents[1] / "procs" / "single.py"
+    job = f"moved-{uuid.uuid4().hex}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FFSTATE_BASE_PORT": str(port), "TMPDIR": str(tmp_path),
+           "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": "token-moved"}
+    run_dir = tmp_path / f"ffstate-{job}"
+    daemon_pid = None
+    try:
+        with socket.socket() as squatter:
+            squatter.bind(("0.0.0.0", port))
+            squatter.listen()
+            first = subprocess.run([sys.executable, str(single), str(tmp_path), "5", "--kill-after", "2"],
+                                   capture_output=True, text=True, env=env, timeout=90)
+        assert first.returncode == -9, first.stderr[-3000:]
+        assert "exited without answering" in first.stderr and "trying the next port" in first.stderr, first.stderr[-3000:]
+        assert (run_dir / "daemon-node0.address").read_text().endswith(f":{port + 1}")
+        daemon_pid = int((run_dir / "daemon-node0.pid").read_text())
+        again = subprocess.run([sys.executable, str(single), str(tmp_path), "5"], capture_output=True, text=True,
+                               env=env, timeout=90)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "start 2" in again.stdout, again.stdout  # restored from its daemon's slots
+        assert "started the daemon" not in again.stderr, again.stderr[-3000:]
+        assert int((run_dir / "daemon-node0.starting").read_text()) == daemon_pid  # the last daemon started
+    finally:
+        if daemon_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(daemon_pid, 9)
 
 
 def test_status_with_no_daemon_on_the_node_says_how_to_name_one(tmp_path):
