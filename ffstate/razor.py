@@ -207,11 +207,12 @@ def assemble(mine: dict, parts: dict[int, dict]) -> Any:
 
 
 def checksums(state: Any, plan: Plan) -> list[int]:
-    """One checksum per redundant entry of ``state`` (the group compares them to verify the plan)."""
+    """One fingerprint per redundant entry of ``state`` (the group compares them to verify the plan), computed
+    where the tensor is (``codec.fingerprint``: no copy of a GPU tensor to the host)."""
     by_path = dict(layout.flatten(state)[1])
     out = []
     for p in plan.paths:
-        out.append(codec.buffer_checksum(by_path[p].detach().reshape(-1).view(torch.uint8)))
+        out.append(codec.fingerprint(by_path[p].detach().reshape(-1).view(torch.uint8)))
     return out
 
 

@@ -8,7 +8,7 @@ Two levels:
   the caller owns, ``encode_snapshot``/``decode_snapshot`` on buffers, ``unpack`` a buffer into a
   new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
 
-Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter, the checksum); the
+Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter; the razor's fingerprint); the
 encoding itself, an XOR against the base and python-blosc2 (``segment``), runs on host buffers, where the daemon
 keeps every version. The wire format is in docs/wire-format.md.
 
@@ -18,7 +18,7 @@ The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``
 the codec's API.
 """
 
-from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum
+from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum, fingerprint
 from ffstate.codec.chunks import (CHUNK_OVERHEAD, DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MAX_HEADER_BYTES,
                                   MIN_CHUNK_BYTES, Chunk, Packed, Snapshot, segments, verify_chunks)
 from ffstate.codec.decoder import Decoder
@@ -27,5 +27,5 @@ from ffstate.codec.pack import pack, pack_into, pack_targets, restore_into, unpa
 
 __all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",
            "Chunk", "Decoder", "Packed", "Snapshot", "_map", "_pool", "_use_kernels", "buffer_checksum", "decode",
-           "decode_snapshot", "encode", "encode_snapshot", "pack", "pack_into", "pack_targets", "restore_into",
+           "decode_snapshot", "encode", "encode_snapshot", "fingerprint", "pack", "pack_into", "pack_targets", "restore_into",
            "revert_snapshot", "segments", "unpack", "unpack_verified", "verify_chunks"]

@@ -1,6 +1,7 @@
 """Where the codec's work runs: on a thread pool (NumPy and blosc2 release the interpreter lock, so it scales
-with cores), or, for packing and summing CUDA buffers, in the Triton kernels (``ffstate.kernels``), which produce
-the same bytes; ``FFSTATE_KERNELS`` forces either. And the buffer checksum every level verifies against."""
+with cores), or, for packing CUDA buffers and the razor's fingerprints of CUDA tensors, in the Triton kernels
+(``ffstate.kernels``), which produce the same bytes; ``FFSTATE_KERNELS`` forces either. And the buffer checksum
+every level verifies against."""
 
 from __future__ import annotations
 
@@ -59,9 +60,16 @@ def _kernels_choice(raw: str) -> str:
 
 
 def buffer_checksum(buf: torch.Tensor) -> int:
-    """The checksum of a uint8 buffer (``ffstate.checksum``), on the buffer's device."""
+    """The checksum of a uint8 buffer (``ffstate.checksum``), on the codec's threads; a buffer on a GPU is
+    copied to the host first (the daemon, which checksums every version, holds host buffers only)."""
+    return checksum.checksum(buf.cpu().numpy() if buf.is_cuda else buf.numpy(), _map)
+
+
+def fingerprint(buf: torch.Tensor) -> int:
+    """The razor's fingerprint of a uint8 buffer (``ffstate.checksum.fingerprint``), on the buffer's device: the
+    Triton kernel for a GPU tensor, no copy to the host."""
     if _use_kernels(buf):
         from ffstate import kernels
 
-        return kernels.checksum(buf)
-    return checksum.checksum(buf.numpy(), _map)
+        return kernels.fingerprint(buf)
+    return checksum.fingerprint(buf.numpy(), _map)

@@ -17,7 +17,9 @@ from ffstate.config import Config
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
-FORMAT = 2  # 1: byte planes (ffstate before python-blosc2); refused, with what to do
+# 3: XXH3 checksums. Refused, saying what to do: 2 (checksums of 64-bit words mixed one by one), 1 (byte planes
+# before python-blosc2).
+FORMAT = 3
 DEFAULT_CHUNK_BYTES = Config.chunk_bytes
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
 # Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
@@ -92,9 +94,25 @@ class Packed:
 
 
 def _verify_chunk(c: Chunk) -> None:
-    got = checksum.checksum(np.frombuffer(c.payload, dtype=np.uint8))
+    got = checksum.checksum(c.payload)
     if got != c.checksum:
-        raise CodecError(f"chunk {c.index} of {c.count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+        raise CodecError(other_format(c) or
+                         f"chunk {c.index} of {c.count} is corrupted: checksum {got:016x}, expected {c.checksum:016x}")
+
+
+def other_format(c: Chunk) -> str | None:
+    """What to say when a header chunk fails its checksum because an ffstate of another wire format sent it (its
+    checksums are of another kind): None when it is not such a header."""
+    if c.index != 0 or len(c.payload) > MAX_HEADER_BYTES:
+        return None
+    try:
+        fmt = json.loads(bytes(c.payload)).get("format")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(fmt, int) or fmt == FORMAT:
+        return None
+    return (f"wire format {fmt} is not supported by this ffstate (format {FORMAT}): an ffstate of another version "
+            "sent it; run one version on every node")
 
 
 def segments(manifest: Manifest, chunk_bytes: int) -> list[tuple[int, int, int]]:
@@ -156,7 +174,8 @@ def _parse_header(chunks: Sequence[Chunk]) -> dict:
     kind, fmt = header.get("kind"), header.get("format")
     if fmt != FORMAT:
         raise CodecError(f"wire format {str(fmt)[:20]} is not supported by this ffstate (format {FORMAT})"
-                         + ("; format 1 comes from an older ffstate: run one version on every node" if fmt == 1 else ""))
+                         + ("; an ffstate of another version sent it: run one version on every node"
+                            if isinstance(fmt, int) and 0 < fmt < FORMAT else ""))
     if kind not in ("full", "delta"):
         raise CodecError(f"malformed header: kind {str(kind)[:20]!r}")
     fields = {"checksum": (_hex64, "the version's checksum"), "nbytes": (_count, "its size"),

@@ -112,76 +112,47 @@ def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
     return layout.materialize(snapshot.manifest, snapshot.buffer, map_location)
 
 
-# Bytes of the buffer copied out, then summed while in cache, at a time by ``unpack_verified``; a task
-# of the codec's threads takes about four such spans.
+# Bytes of a tensor copied out at a time by ``unpack_verified``; and of the buffer a task of the codec's threads
+# copies out and then hashes while it is in cache (whole checksum pieces: the sum splits at piece boundaries).
 _PIECE_BYTES = 1 << 20
-_SMALL_BYTES = 64 << 10  # pieces below this are copied together and summed from the buffer, by span
+_TASK_BYTES = 4 * checksum.PIECE_BYTES
+_SMALL_BYTES = 64 << 10  # pieces below this are copied together, by one call per task
 
 
 @layout.gc_paused()
 def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
     """``unpack`` (into new tensors, each its own storage) and ``buffer_checksum`` of a CPU buffer, in one pass.
 
-    One pass over ``buf`` instead of two (a restore reads a slot or a decoded buffer once), on the
-    codec's threads, in buffer order: a piece of up to 1 MiB of a large tensor is copied out and
-    summed from its copy while that is in cache; small tensors are copied together and the span of
-    ``buf`` they fill (padding included) is summed once it reaches 1 MiB, a few NumPy calls
-    however many tensors it holds (7,700 small tensors took 350 ms summed one by one, against 5 ms
-    for the whole buffer). A slot's reader checks afterwards that the worker did not rewrite the
-    slot meanwhile (``shm.Slots.read``); the caller compares the checksum with the one it trusts
-    before using the state.
+    One pass over ``buf`` instead of two (a restore reads a slot or a decoded buffer once), on the codec's
+    threads: each task copies out the pieces of the tensors that start in its 4 MiB of the buffer (up to 1 MiB of
+    a tensor at a time; small ones together, one call), then hashes those 4 MiB while they are in cache. A slot's
+    reader checks afterwards that the worker did not rewrite the slot meanwhile (``shm.Slots.read``); the caller
+    compares the checksum with the one it trusts before using the state.
     """
     leaves = layout.empty_leaves(manifest)
-    pieces = sorted(((spec.offset + a, layout.leaf_bytes(leaf)[a : min(spec.nbytes, a + _PIECE_BYTES)])
-                     for spec, leaf in zip(manifest.tensors, leaves) for a in range(0, spec.nbytes, _PIECE_BYTES)),
-                    key=lambda p: p[0])
     host = buf.numpy()
-    words = host[: host.size // 8 * 8].view(np.uint64)
-    # Tasks of about 4 MiB that tile the buffer's whole words: each sums from where the one before stopped
-    # (a piece starts 8-byte aligned: tensors are 64-byte aligned, pieces 1 MiB), the last to the end.
-    tasks: list[tuple[int, list]] = []
-    size = 0
-    for p in pieces:
-        if not tasks or size >= 4 * _PIECE_BYTES:
-            tasks.append((0 if not tasks else p[0], []))
-            size = 0
-        tasks[-1][1].append(p)
-        size += p[1].numel()
-    if not tasks:
-        tasks.append((0, []))
-    bounds = [lo for lo, _ in tasks[1:]] + [words.size * 8]
+    tasks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(-(-host.size // _TASK_BYTES))]
+    for spec, leaf in zip(manifest.tensors, leaves):
+        for a in range(0, spec.nbytes, _PIECE_BYTES):
+            pos = spec.offset + a
+            tasks[pos // _TASK_BYTES].append((pos, layout.leaf_bytes(leaf)[a : min(spec.nbytes, a + _PIECE_BYTES)]))
 
-    def run(task: tuple[int, list], hi: int) -> int:
-        lo, items = task
-        total, summed_to, dsts, srcs = 0, lo, [], []
-
-        def flush(to: int) -> None:  # copies the pending small pieces, then sums buf's words up to ``to``
-            nonlocal total, summed_to, dsts, srcs
-            if dsts:
-                _copy_pieces(dsts, srcs)
-                dsts, srcs = [], []
-            if to > summed_to:
-                total += checksum.word_sum(words[summed_to // 8 : to // 8], summed_to // 8)
-                summed_to = to
-
-        for pos, dst in items:
+    def run(i: int) -> int:
+        dsts, srcs = [], []
+        for pos, dst in tasks[i]:
             n = dst.numel()
-            if n >= _SMALL_BYTES and dst.device.type == "cpu":  # summed from its copy, the freshest in cache
-                flush(pos)
+            if n >= _SMALL_BYTES and dst.device.type == "cpu":
                 dst.copy_(buf[pos : pos + n])
-                whole = n // 8 * 8
-                total += checksum.word_sum(dst[:whole].numpy().view(np.uint64), pos // 8)
-                summed_to = pos + whole
             else:
                 dsts.append(dst)
                 srcs.append(buf[pos : pos + n])
-                if pos + n - summed_to >= _PIECE_BYTES:
-                    flush((pos + n) // 8 * 8)
-        flush(hi)
-        return total
+        if dsts:
+            _copy_pieces(dsts, srcs)
+        lo = i * _TASK_BYTES
+        return checksum.piece_sum(host[lo : lo + _TASK_BYTES], lo // checksum.PIECE_BYTES)
 
-    total = sum(_map(lambda i: run(tasks[i], bounds[i]), range(len(tasks))))
-    return layout.finish_leaves(manifest, leaves), checksum.finish_checksum(total, host)
+    total = sum(_map(run, range(len(tasks))))
+    return layout.finish_leaves(manifest, leaves), checksum.finish(total, host.size)
 
 
 def _copy_pieces(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

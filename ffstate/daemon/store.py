@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import numpy as np
-
 from ffstate import codec
 from ffstate import checksum
 from ffstate.codec import Chunk, Packed, Snapshot
+from ffstate.codec.chunks import other_format
 from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
 
@@ -383,7 +382,9 @@ class Store:
 
 def _verify_one(chunk: Chunk) -> None:
     """The checksum of one chunk, as it arrives (the list as a whole is checked again at commit)."""
-    got = checksum.checksum(np.frombuffer(chunk.payload, dtype=np.uint8))
+    got = checksum.checksum(chunk.payload)
     if got != chunk.checksum:
+        if (why := other_format(chunk)) is not None:
+            raise ReplicaError(why, "INVALID_ARGUMENT")
         raise ReplicaError(f"chunk {chunk.index} of {chunk.count} is corrupted: checksum {got:016x}, expected "
                            f"{chunk.checksum:016x}", "DATA_LOSS")

@@ -1,7 +1,8 @@
 """Reading a persisted version back, bit for bit, and checking it before anything of it is used.
 
 ``check`` compares the files a set of ranks needs with the sizes and checksums their records gave at flush
-(a torn, truncated or corrupted file is named in the error); ``read_shard`` rebuilds a rank's buffer from
+(a torn, truncated or corrupted file is named in the error; a version of the format before XXH3, 1, by the sums
+it was written with); ``read_shard`` rebuilds a rank's buffer from
 its record's items (each tensor by ``torch.load(weights_only=True)`` from its place in the file, the
 rank's own bytes from its ``rest`` entry), and checks the whole against the version's checksum before it
 returns the state. DCP's ``.metadata`` (a pickle) is for other readers: ffstate never unpickles it.
@@ -16,10 +17,11 @@ from typing import Any
 
 import torch
 
+from ffstate import checksum as sums
 from ffstate import codec
 from ffstate.errors import FFStateError
 from ffstate.layout import Manifest
-from ffstate.persist.write import COMPLETE, file_checksum, record_path
+from ffstate.persist.write import COMPLETE, FORMAT, file_checksum, record_path
 
 
 class PersistError(FFStateError):
@@ -43,6 +45,7 @@ def check(vdir: Path, ranks: list[int], full: bool = True) -> None:
         marker = json.loads((vdir / COMPLETE).read_text())
     except (OSError, ValueError) as e:
         raise PersistError(f"{vdir / COMPLETE}: unreadable ({e})") from None
+    fmt = _format(marker, vdir / COMPLETE)
     for name, info in sorted(marker["files"].items()):
         if info["rank"] not in ranks:
             continue
@@ -50,7 +53,7 @@ def check(vdir: Path, ranks: list[int], full: bool = True) -> None:
         try:
             size = path.stat().st_size if not full else None
             if full:
-                size, checksum = file_checksum(path)
+                size, checksum = file_checksum(path, fmt)
                 if checksum != info["checksum"] and size == info["size"]:
                     raise PersistError(f"{path}: checksum {checksum:016x}, flushed as {info['checksum']:016x}")
         except OSError as e:
@@ -60,6 +63,13 @@ def check(vdir: Path, ranks: list[int], full: bool = True) -> None:
     for rank in ranks:
         if not record_path(vdir, rank).exists():
             raise PersistError(f"{record_path(vdir, rank)}: missing")
+
+
+def _format(rec: dict, path: Path) -> int:
+    fmt = rec.get("format", 1)
+    if fmt not in (1, FORMAT):
+        raise PersistError(f"{path}: persisted in format {fmt}, which this ffstate (format {FORMAT}) does not read")
+    return fmt
 
 
 def read_shard(vdir: Path, rank: int) -> tuple[Any, int]:
@@ -101,7 +111,10 @@ def read_shard(vdir: Path, rank: int) -> tuple[Any, int]:
     finally:
         for f in handles.values():
             f.close()
-    state, checksum = codec.unpack_verified(manifest, buf)
+    if _format(rec, record_path(vdir, rank)) == 1:
+        state, checksum = codec.unpack(codec.Snapshot(manifest, buf, None)), sums.fingerprint(buf.numpy(), codec._map)
+    else:
+        state, checksum = codec.unpack_verified(manifest, buf)
     if f"{checksum:016x}" != rec["checksum"]:
         raise PersistError(f"{vdir}: rank {rank}'s version rebuilt with checksum {checksum:016x}, flushed as "
                            f"{rec['checksum']}")

@@ -39,8 +39,9 @@ from ffstate.persist.items import Item
 log = logging.getLogger("ffstate.persist")
 
 COMPLETE = "ffstate-complete.json"
-FORMAT = 1
-_CHUNK = 8 << 20  # bytes read at a time when a file is summed
+# 2: checksums by ``ffstate.checksum`` (XXH3). 1: by ``ffstate.checksum.fingerprint`` (still read, ``persist/read.py``).
+FORMAT = 2
+_CHUNK = 8 << 20  # bytes read at a time when a file is summed: whole pieces of the checksum
 
 
 def version_dir(job_dir: Path, version: int) -> Path:
@@ -116,14 +117,19 @@ def _write_item(item: Item) -> Any:
                                                      torch.Size(item.size)))
 
 
-def file_checksum(path: Path) -> tuple[int, int]:
-    """(size, checksum) of a file, read in pieces (``ffstate.checksum`` of each, folded)."""
+def file_checksum(path: Path, fmt: int = FORMAT) -> tuple[int, int]:
+    """(size, checksum) of a file, read in pieces: ``ffstate.checksum`` of its bytes; for a version of format 1,
+    ``checksum.fingerprint`` of each piece, folded."""
     size, acc = 0, 0
     with open(path, "rb") as f:
         while piece := f.read(_CHUNK):
+            data = np.frombuffer(piece, dtype=np.uint8)
+            if fmt == 1:
+                acc = (acc * 1_000_003 + checksum.fingerprint(data)) & (2**64 - 1)
+            else:
+                acc += checksum.piece_sum(data, size // checksum.PIECE_BYTES)
             size += len(piece)
-            acc = (acc * 1_000_003 + checksum.checksum(np.frombuffer(piece, dtype=np.uint8))) & (2**64 - 1)
-    return size, acc
+    return size, (acc if fmt == 1 else checksum.finish(acc, size))
 
 
 def _atomic_json(path: Path, obj: Any) -> None:
@@ -164,7 +170,7 @@ def write_rank(vdir: Path, job: str, version: int, rank: int, world: int, manife
     record = {
         "format": FORMAT, "job": job, "version": version, "rank": rank, "world": world, "timeline": timeline,
         "manifest": manifest.to_json().decode(), "checksum": f"{checksum:016x}", "nbytes": manifest.nbytes,
-        "files": {name: dict(zip(("size", "checksum"), file_checksum(vdir / name))) for name in files},
+        "files": {name: dict(zip(("size", "checksum"), file_checksum(vdir / name, FORMAT))) for name in files},
         "items": [{"fqn": i.fqn, "bytes": i.is_bytes, "dtype": str(i.data.dtype).removeprefix("torch.")
                    if not i.is_bytes else None, "size": list(i.size), "offsets": list(i.offsets),
                    "sizes": list(i.data.shape) if not i.is_bytes else None, "spec": i.spec, "start": i.start,

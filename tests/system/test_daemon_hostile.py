@@ -9,11 +9,12 @@ import sys
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from daemons import TOKEN, held_version
 from helpers import train_states
 
-from ffstate import cli, codec
+from ffstate import checksum, cli, codec
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
 from ffstate.bench._report import free_ports
@@ -194,18 +195,19 @@ def test_per_chunk_bookkeeping_counts_against_the_budget(daemons, states):
     assert used(d) == before
 
 
-def test_a_version_in_the_older_wire_format_is_refused_saying_why(held):
-    """A node still running an ffstate of wire format 1 pushes to this one: refused at its header, with what to do;
-    nothing is staged."""
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_version_in_an_older_wire_format_is_refused_saying_why(held, fmt):
+    """A node still running an ffstate of an older wire format pushes to this one (its header chunk's checksum of the
+    older kind): refused at its header, with what to do; nothing is staged."""
     d, stub, before, _ = held
-    head = Chunk.of(0, 2, json.dumps({"format": 1, "kind": "full", "checksum": "0", "nbytes": 4, "chunk_bytes": 4096,
-                                      "layout_id": "x", "manifest": {}}).encode())
-    msgs = [pb.PushChunk(shard=key("old"), version=1, chunk_index=0, chunk_count=2, checksum=head.checksum,
-                         payload=bytes(head.payload))]
+    head = json.dumps({"format": fmt, "kind": "full", "checksum": "0", "nbytes": 4, "chunk_bytes": 4096,
+                       "layout_id": "x", "manifest": {}}).encode()
+    msgs = [pb.PushChunk(shard=key("old"), version=1, chunk_index=0, chunk_count=2,
+                         checksum=checksum.fingerprint(np.frombuffer(head, dtype=np.uint8)), payload=head)]
     with pytest.raises(grpc.RpcError) as e:
         stub.Push(iter(msgs), metadata=META, timeout=60)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "format 1 comes from an older ffstate: run one version on every node" in e.value.details()
+    assert f"wire format {fmt}" in e.value.details() and "run one version on every node" in e.value.details()
     assert used(d) == before
 
 

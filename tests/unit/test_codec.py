@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ffstate import codec, layout
+from ffstate import checksum, codec, layout
 from ffstate.codec import Chunk, Packed
 from ffstate.errors import CodecError
 from helpers import TinyGPT, assert_bitwise_equal, contiguous_bits, train_states
@@ -245,12 +245,20 @@ def test_malformed_segment_with_valid_checksum_is_refused(pair, what, mutate):
         codec.decode(rewrite_segment(d, 1, mutate(bytes(d.chunks[1].payload))), s0)
 
 
-def test_a_version_of_the_older_wire_format_is_refused_saying_why(pair):
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_version_of_an_older_wire_format_is_refused_saying_why(pair, fmt):
     s0, _, d, _ = pair
     head = json.loads(bytes(d.chunks[0].payload))
-    head["format"] = 1
-    with pytest.raises(CodecError, match="format 1 comes from an older ffstate: run one version on every node"):
+    head["format"] = fmt
+    with pytest.raises(CodecError, match=f"wire format {fmt} .* an ffstate of another version sent it: run one version "
+                                         "on every node"):
         codec.decode(rewrite_segment(d, 0, json.dumps(head).encode()), s0)
+    # As an older ffstate sends it: its header chunk's checksum of the older kind, which does not match ours.
+    payload = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
+    chunks = list(d.chunks)
+    chunks[0] = Chunk(0, chunks[0].count, checksum.fingerprint(payload), memoryview(payload))
+    with pytest.raises(CodecError, match=f"wire format {fmt} .* run one version on every node"):
+        codec.decode(Packed(chunks), s0)
 
 
 def test_malformed_header_is_refused(pair):

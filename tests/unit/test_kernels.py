@@ -1,4 +1,4 @@
-"""ffstate.kernels: every Triton kernel (gather, scatter, checksum) against its reference, bit for bit, on awkward
+"""ffstate.kernels: every Triton kernel (gather, scatter, fingerprint) against its reference, bit for bit, on awkward
 sizes.
 
 On a machine without a GPU they run under TRITON_INTERPRET=1 on CPU tensors (conftest.py);
@@ -25,9 +25,9 @@ def rand_bytes(n, density=1.0, seed=0):
 
 
 @pytest.mark.parametrize("n", SIZES + [8, 9, 65536 * 8 + 3])
-def test_checksum_matches_reference(n):
+def test_fingerprint_matches_reference(n):
     b = rand_bytes(n, seed=n)
-    assert kernels.checksum(b.to(DEVICE)) == checksum.checksum(b.numpy())
+    assert kernels.fingerprint(b.to(DEVICE)) == checksum.fingerprint(b.numpy())
 
 
 def mixed_state():

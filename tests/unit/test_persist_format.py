@@ -2,6 +2,7 @@
 them, the razor's runs of elements as boxes), written through DCP's writer, made complete, read back bit for
 bit by ffstate and by torch.distributed.checkpoint itself; a torn or corrupted file named and refused."""
 
+import json
 import math
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from ffstate import codec, persist, razor
+from ffstate import checksum, codec, persist, razor
 from ffstate.capture import capture
 from ffstate.config import Config
 from ffstate.persist import keys as keymod
@@ -128,6 +129,35 @@ def test_a_torn_or_corrupted_file_is_named_and_never_read(tmp_path, damage):
     if damage == "flip":  # the size is right: the checksum of the rebuilt version refuses it too
         with pytest.raises(persist.PersistError, match="checksum"):
             persist.read_shard(vdir, 1)
+
+
+def test_a_version_of_format_1_is_checked_and_read_by_the_sums_it_was_written_with(tmp_path, monkeypatch):
+    """Versions persisted before the checksums moved to XXH3 (format 1: the fingerprint's sums) still resume a job:
+    checked and read by their own sums, a flipped byte still refused; a format this ffstate does not know is
+    refused by name."""
+    model, opt = trained()
+    state = capture(model, opt, None, None)
+    monkeypatch.setattr(persist.write, "FORMAT", 1)
+    vdir = persist.version_dir(tmp_path / "job", 7)
+    snap = codec.pack(state)
+    items = persist.items_of(snap.manifest, snap.buffer, keymod.key_map(model, opt), 0, param_groups=True)
+    persist.write_rank(vdir, "job", 7, 0, 1, snap.manifest, checksum.fingerprint(snap.buffer.numpy()), items)
+    assert persist.finalize(vdir, 1)
+    monkeypatch.undo()
+    persist.check(vdir, [0])
+    got, _ = persist.read_shard(vdir, 0)
+    assert_bitwise_equal(got, state)
+    target = vdir / "__0_0.distcp"
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    target.write_bytes(raw)
+    with pytest.raises(persist.PersistError, match="__0_0.distcp"):
+        persist.check(vdir, [0])
+    marker = json.loads((vdir / persist.write.COMPLETE).read_text())
+    marker["format"] = 9
+    (vdir / persist.write.COMPLETE).write_text(json.dumps(marker))
+    with pytest.raises(persist.PersistError, match="format 9"):
+        persist.check(vdir, [0])
 
 
 def test_an_incomplete_version_is_not_listed_and_retention_keeps_the_newest(tmp_path):

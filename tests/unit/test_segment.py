@@ -1,4 +1,5 @@
-"""ffstate/codec/segment.py (one segment on the wire: blosc2 after ffstate's XOR) and ffstate/checksum.py."""
+"""ffstate/codec/segment.py (one segment on the wire: blosc2 after ffstate's XOR) and ffstate/checksum.py (the checksum
+and the razor's fingerprint)."""
 
 import blosc2
 import numpy as np
@@ -74,3 +75,31 @@ def test_checksum_depends_on_order_and_length():
     assert checksum.checksum(a) != checksum.checksum(swapped)
     assert checksum.checksum(a[:9]) != checksum.checksum(np.concatenate([a[:9], [0]]).astype(np.uint8))
     assert checksum.checksum(np.zeros(0, dtype=np.uint8)) == 0
+
+
+def test_checksum_splits_at_piece_boundaries_and_moved_pieces_change_it():
+    """A buffer's checksum is the same whole, by pieces on a thread pool, and summed part by part (as a restore sums
+    each part while it is in cache from a copy); two pieces swapped, or a piece moved, change it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    piece = checksum.PIECE_BYTES
+    data = np.random.default_rng(3).integers(0, 256, 9 * piece + 12345, dtype=np.uint8)
+    whole = checksum.checksum(data)
+    with ThreadPoolExecutor(3) as pool:
+        assert checksum.checksum(data, pool.map) == whole
+    cuts = [0, 2 * piece, 3 * piece, 7 * piece, data.size]
+    parts = sum(checksum.piece_sum(data[a:b], a // piece) for a, b in zip(cuts, cuts[1:]))
+    assert checksum.finish(parts, data.size) == whole
+    swapped = data.copy()
+    swapped[:piece], swapped[piece:2 * piece] = data[piece:2 * piece], data[:piece]
+    assert checksum.checksum(swapped) != whole
+    assert checksum.checksum(data[piece:]) != checksum.finish(checksum.piece_sum(data[piece:], 1), data.size - piece)
+    assert checksum.checksum(bytes(data[:1000])) == checksum.checksum(data[:1000])  # bytes, memoryviews, arrays
+
+
+@given(data=st.binary(min_size=1, max_size=300), pos=st.integers(0, 10_000), bit=st.integers(0, 7))
+def test_fingerprint_detects_any_single_bit_flip(data, pos, bit):
+    a = np.frombuffer(data, dtype=np.uint8)
+    b = a.copy()
+    b[pos % b.size] ^= 1 << bit
+    assert checksum.fingerprint(a) != checksum.fingerprint(b)

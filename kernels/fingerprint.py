@@ -1,4 +1,5 @@
-"""Checksum of a byte buffer (the definition is ``ffstate.checksum``): per-block partial sums."""
+"""The razor's fingerprint of a byte buffer on its device (the definition and reference are
+``ffstate.checksum.fingerprint``): per-block partial sums."""
 
 import torch
 import triton
@@ -11,7 +12,7 @@ _M64 = (1 << 64) - 1
 
 
 @triton.jit
-def _checksum_kernel(src, partial, nbytes, WORDS: tl.constexpr):
+def _fingerprint_kernel(src, partial, nbytes, WORDS: tl.constexpr):
     pid = tl.program_id(0)
     word = pid.to(tl.int64) * WORDS + tl.arange(0, WORDS).to(tl.int64)
     byte = word[:, None] * 8 + tl.arange(0, 8)[None, :]
@@ -25,15 +26,15 @@ def _checksum_kernel(src, partial, nbytes, WORDS: tl.constexpr):
     tl.store(partial + pid, tl.sum(x, axis=0).to(tl.int64, bitcast=True))
 
 
-def checksum(buf: torch.Tensor) -> int:
-    """The 64-bit checksum of a flat uint8 tensor, computed on its device."""
+def fingerprint(buf: torch.Tensor) -> int:
+    """The 64-bit fingerprint of a flat uint8 tensor, computed on its device."""
     n = buf.numel()
     # 2048 words = 16 KiB per program: one wide load per thread, few enough partials to sum cheaply.
     words = block(2048, 8192)
     grid = max(1, triton.cdiv(triton.cdiv(n, 8), words))
     partial = torch.empty(grid, dtype=torch.int64, device=buf.device)
     if n:
-        _checksum_kernel[(grid,)](buf, partial, n, WORDS=words)
+        _fingerprint_kernel[(grid,)](buf, partial, n, WORDS=words)
     else:
         partial.zero_()
     total = int(partial.sum().item()) & _M64
