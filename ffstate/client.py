@@ -163,20 +163,23 @@ class Client:
     # ------------------------------------------------------------ replicas
 
     def push(self, job_id: str, rank: int, world_size: int, version: int, packed: Packed, base_version: int = 0,
-             before_chunk: Callable[[int], None] | None = None) -> pb.PushResult:
-        """Streams every chunk of ``packed`` (stages it; ``commit`` applies it).
+             before_chunk: Callable[[int], None] | None = None, commit: bool = False) -> pb.PushResult:
+        """Streams every chunk of ``packed`` (stages it; ``commit`` applies it, or ``commit=True`` here, in the
+        same call: the result then says the version held and its checksum).
 
         ``before_chunk(nbytes)`` is called before each chunk goes out: the seam where a scheduler paces
         the sender.
         """
         key = shard(job_id, rank, world_size)
+        last = len(packed.chunks) - 1
 
         def messages() -> Iterator[bytes]:
-            for c in packed.chunks:
+            for i, c in enumerate(packed.chunks):
                 if before_chunk is not None:
                     before_chunk(len(c.payload))
                 head = pb.PushChunk(shard=key, version=version, base_version=base_version, chunk_index=c.index,
-                                    chunk_count=c.count, checksum=c.checksum).SerializeToString()
+                                    chunk_count=c.count, checksum=c.checksum,
+                                    commit=commit and i == last).SerializeToString()
                 yield with_payload(head, 7, c.payload)
 
         return self._call(f"push of {job_id}/{rank} version {version}",
@@ -188,8 +191,9 @@ class Client:
 
     def push_and_commit(self, job_id: str, rank: int, world_size: int, version: int, packed: Packed,
                         base_version: int = 0, before_chunk: Callable[[int], None] | None = None) -> pb.CommitResult:
-        self.push(job_id, rank, world_size, version, packed, base_version, before_chunk)
-        return self.commit(job_id, rank, world_size, version)
+        """``push`` and ``commit`` in one call."""
+        got = self.push(job_id, rank, world_size, version, packed, base_version, before_chunk, commit=True)
+        return pb.CommitResult(version=got.committed_version, checksum=got.checksum)
 
     def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1,
                      sink: Callable[[int, Chunk], None] | None = None) -> list[tuple[int, Chunk]]:

@@ -81,7 +81,7 @@ class CommitNoticeAck(_message.Message):
     def __init__(self) -> None: ...
 
 class PushChunk(_message.Message):
-    __slots__ = ("shard", "version", "base_version", "chunk_index", "chunk_count", "checksum", "payload")
+    __slots__ = ("shard", "version", "base_version", "chunk_index", "chunk_count", "checksum", "payload", "commit")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class PushChunk(_message.Message):
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     version: int
     base_version: int
@@ -96,15 +97,20 @@ class PushChunk(_message.Message):
     chunk_count: int
     checksum: int
     payload: bytes
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    commit: bool
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
 
 class PushResult(_message.Message):
-    __slots__ = ("staged_version", "bytes_received")
+    __slots__ = ("staged_version", "bytes_received", "committed_version", "checksum")
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     staged_version: int
     bytes_received: int
-    def __init__(self, staged_version: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    committed_version: int
+    checksum: int
+    def __init__(self, staged_version: _Optional[int] = ..., bytes_received: _Optional[int] = ..., committed_version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("shard", "version")

@@ -114,7 +114,7 @@ class ReplicaServicer:
 
     def Push(self, request_iterator, context):
         """Client-streaming: every chunk of one version of one shard, in order. The version is staged
-        (each chunk verified) but not applied until Commit.
+        (each chunk verified) and applied by Commit, or in the same call when its last chunk says commit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

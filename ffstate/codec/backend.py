@@ -38,10 +38,16 @@ def use_threads(n: int) -> None:
         _POOL = ThreadPoolExecutor(n, thread_name_prefix="ffstate-codec") if n else None
 
 
-def _map(fn, items):
-    """``map`` over a thread pool: NumPy releases the GIL, so the CPU path scales with cores."""
+# Work on fewer bytes than this runs on the calling thread: a task handed to the pool and waited for costs tens of
+# microseconds of interpreter time (a daemon's profile: 20 tasks a version of 0.7 MB, more than the work saved).
+POOL_MIN_BYTES = 4 << 20
+
+
+def _map(fn, items, inline: bool = False):
+    """``map`` over a thread pool: NumPy, blosc2 and the checksum release the GIL or run in C, so the CPU path
+    scales with cores; on this thread when there is one item or ``inline`` (little work)."""
     items = list(items)
-    if len(items) < 2:
+    if len(items) < 2 or inline:
         return [fn(x) for x in items]
     return list(_pool().map(fn, items))
 

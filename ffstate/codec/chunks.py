@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ffstate import checksum
-from ffstate.codec.backend import _map
+from ffstate.codec.backend import POOL_MIN_BYTES, _map
 from ffstate.config import Config
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
@@ -156,7 +156,7 @@ def verify_chunks(chunks: Sequence[Chunk]) -> None:
     for i, c in enumerate(chunks):
         if c.index != i or c.count != count:
             raise CodecError(f"chunk {i} of {count} claims to be chunk {c.index} of {c.count}: reordered or foreign")
-    _map(_verify_chunk, chunks)
+    _map(_verify_chunk, chunks, inline=sum(len(c.payload) for c in chunks) < POOL_MIN_BYTES)
 
 
 def _parse_header(chunks: Sequence[Chunk]) -> dict:

@@ -14,7 +14,7 @@ import torch
 
 from ffstate import layout
 from ffstate.codec.segment import CODECS, apply_segment, encode_segment
-from ffstate.codec.backend import _map, buffer_checksum
+from ffstate.codec.backend import POOL_MIN_BYTES, _map, buffer_checksum
 from ffstate.codec.chunks import (DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Chunk, Packed,
                                   Snapshot, _check_segment_count, segments, verify_chunks)
 from ffstate.codec.pack import pack, unpack
@@ -50,11 +50,10 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
         if base.manifest.layout_id != m.layout_id:
             raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
         header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
-    bodies = _encode_groups(buf, None if base is None else base.buffer, m, chunk_bytes, codec)
-    count = 1 + len(bodies)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    chunks = _map(lambda ib: Chunk.of(ib[0], count, ib[1]), enumerate([head] + bodies))
-    return Packed(chunks, header)
+    segs = segments(m, chunk_bytes)
+    count = 1 + len(segs)
+    head = Chunk.of(0, count, json.dumps(header, separators=(",", ":")).encode())
+    return Packed([head, *_encode_groups(buf, None if base is None else base.buffer, segs, count, codec)], header)
 
 
 def decode_snapshot(
@@ -147,19 +146,19 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
     return Snapshot(manifest, out, got)
 
 
-def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, manifest: Manifest, chunk_bytes: int,
-                   codec: str) -> list[np.ndarray]:
-    """Encoded segments of ``buf`` (XOR ``base``), in chunk order."""
+def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tuple[int, int, int]], count: int,
+                   codec: str) -> list[Chunk]:
+    """The chunks 1.. of a version: each segment of ``buf`` (XOR ``base``) encoded and checksummed in one task."""
     host = buf.cpu().numpy()
     base_host = None if base is None else base.cpu().numpy()
 
-    def encode_one(seg: tuple[int, int, int]) -> np.ndarray:
-        off, n, size = seg
+    def encode_one(i: int) -> Chunk:
+        off, n, size = segs[i]
         end = off + n * size
-        return encode_segment(host[off:end], None if base_host is None else base_host[off:end], size, off,
-                                      codec)
+        body = encode_segment(host[off:end], None if base_host is None else base_host[off:end], size, off, codec)
+        return Chunk.of(i + 1, count, body)
 
-    return _map(encode_one, segments(manifest, chunk_bytes))
+    return _map(encode_one, range(len(segs)), inline=buf.numel() < POOL_MIN_BYTES)
 
 
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor,
@@ -179,11 +178,12 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
         return None
 
     items = list(zip(payloads, segs))
-    errors = _map(apply, items)
+    inline = out.numel() < POOL_MIN_BYTES
+    errors = _map(apply, items, inline=inline)
     failed = [e for e in errors if e is not None]
     if failed:
         if not into_zeros:  # a new buffer is dropped with the error; a base is restored
-            _map(apply, [item for item, e in zip(items, errors) if e is None])  # XOR again: undone
+            _map(apply, [item for item, e in zip(items, errors) if e is None], inline=inline)  # XOR again: undone
         raise failed[0]
 
 

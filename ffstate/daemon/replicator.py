@@ -29,6 +29,7 @@ from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavai
 from ffstate.scheduler import Naive
 
 log = logging.getLogger("ffstate.daemon.replicator")
+SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
 
 
 class Pacer(Protocol):
@@ -168,7 +169,9 @@ class Replicator:
             return all(self._push(shard, v, holder, packed) for v, packed in versions)
 
         try:
-            if any(list(self._pool.map(send, batch))):
+            # One holder (k = 1, the default): pushed from this thread, not handed to the pool and waited for.
+            sent = [send(batch[0])] if len(batch) == 1 else list(self._pool.map(send, batch))
+            if any(sent):
                 shard.last_push = time.time()
         finally:
             shard.wake.set()  # look for what came meanwhile
@@ -287,6 +290,20 @@ class Replicator:
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes
         shard.pushed_versions += 1
-        log.info("pushed %s version %d to %s: %s, %d bytes (%.2fx)", k, version, holder.address, packed.kind,
-                 packed.nbytes, packed.ratio)
+        # A full version (a holder seeded) is news; the deltas of a steady run are summed up once a minute.
+        log.log(logging.INFO if packed.kind == "full" else logging.DEBUG, "pushed %s version %d to %s: %s, %d bytes "
+                "(%.2fx)", k, version, holder.address, packed.kind, packed.nbytes, packed.ratio)
+        self._summary(shard)
         return True
+
+    @staticmethod
+    def _summary(shard: LocalShard) -> None:
+        at, versions, nbytes, raw = shard.said
+        now = time.monotonic()
+        if now - at < SUMMARY_EVERY:
+            return
+        shard.said = (now, shard.pushed_versions, shard.pushed_bytes, shard.pushed_raw_bytes)
+        if at:
+            log.info("%s: %d versions pushed in the last %.0fs, up to version %d, %.1f MB on the wire (%.2fx)",
+                     shard.key, shard.pushed_versions - versions, now - at, shard.base_version,
+                     (shard.pushed_bytes - nbytes) / 1e6, (shard.pushed_raw_bytes - raw) / max(1, shard.pushed_bytes - nbytes))

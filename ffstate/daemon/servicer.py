@@ -126,11 +126,13 @@ class Servicer:
     def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResult:
         ident = next(self._ids)
         seen = [context, time.monotonic()]
+        commit = [False]  # what the last chunk said: apply the version once staged, in this call
 
         def chunks() -> Iterator[IncomingChunk]:
             for m in request_iterator:
                 seen[1] = time.monotonic()
                 self.node.touch()
+                commit[0] = m.commit
                 yield IncomingChunk(_key(m.shard), m.version, m.base_version, m.chunk_index, m.chunk_count,
                                     m.checksum, m.payload)
 
@@ -140,10 +142,13 @@ class Servicer:
                                    "RESOURCE_EXHAUSTED")
             self._streams[ident] = seen
             try:
-                _, version, nbytes = self.node.stage(chunks(), context.peer())
+                key, version, nbytes = self.node.stage(chunks(), context.peer())
             finally:
                 self._streams.pop(ident, None)
                 self._pushes.release()
+            if commit[0]:  # one call a version instead of two (Push, then Commit): a unary call is ~0.6 ms of CPU
+                held, checksum = self.node.commit(key, version)
+                return pb.PushResult(bytes_received=nbytes, committed_version=held, checksum=checksum)
             return pb.PushResult(staged_version=version, bytes_received=nbytes)
 
         return self._guard("Push", context, run)

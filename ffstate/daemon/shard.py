@@ -68,6 +68,7 @@ class LocalShard:
     razor: Any = None  # the worker's reports.RazorReport, for the reports
     bell: int = 0  # the rank's id at the daemon's doorbell (0: none)
     persist_keys: dict | None = None  # the worker's DCP key map (ffstate/persist/keys.py), for the persistent tier
+    said: tuple = (0.0, 0, 0, 0)  # monotonic time, versions, bytes and raw bytes at the last summary in the log
 
     @property
     def replicated_version(self) -> int:

@@ -267,8 +267,8 @@ class Store:
                 freed += held.history.popleft().packed.nbytes
         # The staged chunks are now the kept delta: their reservation carries over.
         self.release(freed + staging.reserved - staging.packed.nbytes)
-        log.info("committed version %d of %s from %s (delta of %d bytes on version %d)", staging.version,
-                 staging.key, staging.source, staging.packed.nbytes, staging.base_version)
+        log.debug("committed version %d of %s from %s (delta of %d bytes on version %d)", staging.version,
+                  staging.key, staging.source, staging.packed.nbytes, staging.base_version)
         return held.version, held.snapshot.checksum
 
     # ------------------------------------------------------------ serving

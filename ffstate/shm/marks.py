@@ -1,5 +1,5 @@
-"""Worker side: marks when the training's collectives are on the wire, in the slot header, for the
-daemon's scheduler (docs/design.md section 4, step 3). Cheap: a few stores per collective."""
+"""The training's collectives, marked in the slot header: the worker marks when each is on the wire (cheap: a few
+stores per collective), the daemon's scheduler reads them (docs/design.md section 4, step 3)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import threading
 import time
 
 from ffstate.shm.header import COMM_RING, Header
+
+STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 
 
 class CommMarks:
@@ -51,3 +53,30 @@ class CommMarks:
     def count(self) -> int:
         """Collectives marked off the wire so far (the ring's write count once attached)."""
         return self._count
+
+
+class MarksReader:
+    """The daemon's side: what a rank's slot headers say of its collectives."""
+
+    def __init__(self) -> None:
+        self._stamp: tuple = ()
+        self._parsed: tuple[list, list] = ([], [])
+
+    def read(self, headers: list[Header]) -> tuple[int, list[tuple[float, float]], list[float]]:
+        """(collectives in flight, recent (start, end) times, the two newest commit times), seconds."""
+        if not headers:
+            return 0, [], []
+        h = headers[0]
+        inflight, count = h.comm_inflight, h.comm_count
+        # The ring is parsed again only when a collective started (fewer or more in flight) or ended (the count
+        # grows: an entry is written before it) or a commit was made since the last look: the pacer looks before
+        # every chunk it releases, and parsing the ring each time was a tenth of a daemon's CPU (profiled).
+        stamp = (count, inflight, *(x.commit_ns for x in headers))
+        if stamp != self._stamp:
+            self._parsed = (sorted((iv.start / 1e9, iv.end / 1e9) for iv in h.comm_ring[: min(count, COMM_RING)]
+                                   if iv.end), sorted(x.commit_ns / 1e9 for x in headers if x.commit_ns))
+            self._stamp = stamp
+        intervals, commits = list(self._parsed[0]), list(self._parsed[1])
+        if inflight and commits and time.time() - commits[-1] > STALE_MARKS:
+            inflight = 0  # no commit for that long: the worker is gone or stuck, its count means nothing
+        return max(inflight, 0), intervals, commits

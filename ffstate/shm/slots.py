@@ -37,13 +37,13 @@ from ffstate.ids import check_id
 from ffstate.layout import Manifest
 from ffstate.profiling import ProfiledTimeline
 from ffstate.shm.doorbell import Bell
-from ffstate.shm.header import BELL_NAME_MAX, COMM_RING, MAGIC, PAGE, TIMELINE_MAX, Header, header_of
+from ffstate.shm.marks import MarksReader
+from ffstate.shm.header import BELL_NAME_MAX, MAGIC, PAGE, TIMELINE_MAX, Header, header_of
 from ffstate.shm.worker import WorkerFields, WorkerRecord  # noqa: F401 (WorkerRecord: re-exported)
 
 log = logging.getLogger("ffstate.shm")
 
 SHM_DIR = Path(os.environ.get("FFSTATE_SHM_DIR", "/dev/shm"))
-STALE_MARKS = 10.0  # seconds without a commit after which a worker's in-flight count is ignored
 DEFAULT_SCALARS_CAPACITY = 1 << 20
 
 
@@ -138,6 +138,7 @@ class Slots(WorkerFields):
         self.headers: list[Header] = []
         self.data: list[torch.Tensor] = []
         self.wait_timed_out = False
+        self._marks = MarksReader()
         for path in self.paths:
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -326,16 +327,9 @@ class Slots(WorkerFields):
         return self.headers[0].holders_down if self.headers else 0
 
     def comm_marks(self) -> tuple[int, list[tuple[float, float]], list[float]]:
-        """(collectives in flight, recent (start, end) times, the two newest commit times), seconds."""
-        if not self.headers:
-            return 0, [], []
-        h = self.headers[0]
-        inflight, count = h.comm_inflight, h.comm_count
-        intervals = sorted((iv.start / 1e9, iv.end / 1e9) for iv in h.comm_ring[: min(count, COMM_RING)] if iv.end)
-        commits = sorted(x.commit_ns / 1e9 for x in self.headers if x.commit_ns)
-        if inflight and commits and time.time() - commits[-1] > STALE_MARKS:
-            inflight = 0  # no commit for that long: the worker is gone or stuck, its count means nothing
-        return max(inflight, 0), intervals, commits
+        """(collectives in flight, recent (start, end) times, the two newest commit times), seconds
+        (``shm.marks.MarksReader``)."""
+        return self._marks.read(self.headers)
 
     def latest(self) -> SlotView | None:
         """The newest committed slot, or None. Check ``unchanged(view)`` after using its data."""

@@ -53,7 +53,7 @@ def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeyp
         assert len(daemon.comm_marks()[1]) == shm.COMM_RING
         marks.start()  # a worker dies in the middle of an all-reduce: its count stays in the header...
         assert daemon.comm_marks()[0] == 1
-        monkeypatch.setattr(shm.slots, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
+        monkeypatch.setattr(shm.marks, "STALE_MARKS", 0.0)  # ...until no commit came for STALE_MARKS seconds
         assert daemon.comm_marks()[0] == 0
 
 
