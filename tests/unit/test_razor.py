@@ -89,3 +89,24 @@ def test_declared_identical_entries_and_a_single_process(monkeypatch):
     assert infer(model, opt, 4, Config(razor="off", razor_identical="model")) is None
     with pytest.raises(ValueError, match="razor"):
         Config(razor="sometimes")
+
+
+def test_a_later_split_follows_the_keys_and_gives_what_the_whole_walk_gives():
+    """From the second split on, only the dicts on the way to each redundant entry are copied: the same layout and
+    bytes as the whole walk, the captured state left as it was; a state whose nesting changed takes the whole walk."""
+    from ffstate import razor
+
+    state = list(train_states(1))[0]
+    plan = Plan.of(state, Groups((0, 1, 2), ("model", "optim/state"), "test"))
+    razor._KEY_PATHS.pop(plan, None)
+    first = split(state, plan, 1)  # the whole walk, which records the keys
+    assert plan in razor._KEY_PATHS
+    again = split(state, plan, 1)  # along the keys
+    assert layout.describe(again).layout_id == layout.describe(first).layout_id
+    assert_bitwise_equal(codec.unpack(codec.pack(again)), codec.unpack(codec.pack(first)))
+    assert all(isinstance(t, torch.Tensor) for t in state["model"].values())  # nothing replaced in the original
+    # The same entries under a list now (the same paths, other keys): the keys lead nowhere, the whole walk finds them.
+    changed = {**state, "optim": {**state["optim"], "state": list(state["optim"]["state"].values())}}
+    assert_bitwise_equal(split(changed, plan, 1)["razor"]["part"], first["razor"]["part"])
+    with pytest.raises(FFStateError, match="no longer has the redundant entries"):
+        split({**state, "model": {}}, plan, 1)
