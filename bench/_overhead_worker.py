@@ -91,6 +91,16 @@ class AsyncSaver:
         dist.barrier()
 
 
+def _daemons_cpu(scheduler: str) -> float:
+    """The CPU seconds so far of the daemons of ``scheduler`` (``$FFSTATE_BENCH_DAEMON_PIDS``; every node's: one
+    machine, or network namespaces of one), from /proc."""
+    total = 0.0
+    for pid in json.loads(os.environ.get("FFSTATE_BENCH_DAEMON_PIDS", "{}")).get(scheduler, []):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def _persisting(daemon: Any, done: Callable[[Any], Any], what: str, timeout: float = 120.0) -> Any:
     """The daemon's persistent tier's report once ``done`` says so (at most ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
@@ -190,6 +200,8 @@ def main() -> None:
                     _persisting(ff.daemon, lambda p: p.flusher_pid, "the flushing process ready")
                     dist.barrier()
                 for i in range(a.steps):
+                    if i == FIRST_TIMED and rank == 0:
+                        cpu = -_daemons_cpu(scheduler)
                     start = time.perf_counter()
                     parts = train_step()
                     trained = time.perf_counter()
@@ -200,6 +212,9 @@ def main() -> None:
                         res["part_seconds"].append(parts)
                     if i == 1:
                         before = ff.stats(wait=60)
+                if rank == 0:  # the daemons' CPU over the timed steps (what they defer shows as the lag at the end)
+                    res["daemon_cpu_seconds"] = res.get("daemon_cpu_seconds", 0.0) + cpu + _daemons_cpu(scheduler)
+                    res["daemon_cpu_steps"] = res.get("daemon_cpu_steps", 0) + a.steps - FIRST_TIMED
                 # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),
                 # and how long it takes to drain: pacing that only defers the work would show here.
                 end = ff.stats()

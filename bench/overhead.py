@@ -32,8 +32,9 @@ bytes each rank replicates per step (on the wire: deltas after compaction) and t
 it replicates; the time ``ff.commit`` held the loop, and the forward's, backward's and optimizer step's (where the
 collectives and their collisions show); the training's collectives that started while a
 replication chunk was on the wire and the seconds chunks shared the link with collectives (counted by
-the daemons from the workers' marks: what the pacing is for, without a noisy step time); and the
-daemons' CPU per step (from /proc).
+the daemons from the workers' marks: what the pacing is for, without a noisy step time); and both
+daemons' CPU over the timed steps (from /proc, as they began and ended), per step and per MB of state replicated
+(every rank's share, raw).
 Prints a table; writes ``bench/results/overhead.json`` and a PNG plot beside it.
 
 Usage: ``ffstate bench overhead [--parallel ddp,ddp-zero,fsdp2,manual] [--modes off,naive,scheduler,razor-off]
@@ -107,7 +108,11 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
             else:
                 args = link.cmd(n, [*pinned, "--host", link.addresses[n], "--port", str(base), *flags])
             daemons.append((scheduler, _serve(args, token, work / f"daemon-{tag}-{scheduler}-{n}.log")))
+    pids: dict[str, list[int]] = {}
+    for scheduler, d in daemons:
+        pids.setdefault(scheduler, []).append(d.pid)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_TOKEN": token,
+           "FFSTATE_BENCH_DAEMON_PIDS": json.dumps(pids),
            "FFSTATE_JOB_ID": f"overhead-{parallel}", "FFSTATE_BENCH_PORTS": ",".join(f"{k}:{v}" for k, v in ports.items()),
            "OMP_NUM_THREADS": "1", "TMPDIR": str(work), **({"FFSTATE_BENCH_CPUS": pin[0]} if pin else {})}
     worker = ["-m", "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes",
@@ -128,9 +133,6 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
         if failed:
             tail = "".join("".join(text.splitlines(keepends=True)[-20:]) for text in logs)
             raise SystemExit(f"the {tag} job failed (exit {failed}):\n{tail}")
-        cpu = {scheduler: 0.0 for scheduler in ports}  # the daemons' CPU seconds over the job, per policy
-        for scheduler, d in daemons:
-            cpu[scheduler] += _cpu_seconds(d.pid)
     finally:
         for _, d in daemons:
             d.terminate()
@@ -139,10 +141,7 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
                 d.wait(30)
             except subprocess.TimeoutExpired:
                 d.kill()
-    ranks = [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(NODES * per_node)]
-    for r in ranks:
-        r["daemon_cpu_seconds"] = cpu
-    return ranks
+    return [json.loads((out / f"overhead-rank{r}.json").read_text()) for r in range(NODES * per_node)]
 
 
 def cpu_list(text: str) -> set[int]:
@@ -154,12 +153,6 @@ def cpu_list(text: str) -> set[int]:
             return set()
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (its threads included), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int = 1) -> dict:
@@ -202,12 +195,14 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
             # Seconds replication shared the link with the training's collectives, both nodes, per step.
             row["overlap_seconds_per_step"] = (sum(p.get("overlap_seconds", 0.0) for p in leaders)
                                                / max(1, per_rank[0].get("steps_run", 0)))
-            # Both nodes' daemons of this mode's policy, per step the job ran with them (razor-off shares the
-            # scheduler's daemons: their CPU is split by steps).
-            policy = MODES[mode][1]
-            steps = sum(ranks[0]["results"][m].get("steps_run", 0) for m in modes if m in MODES and MODES[m][1] == policy)
-            if "daemon_cpu_seconds" in ranks[0] and steps:
-                row["daemon_cpu_seconds_per_step"] = ranks[0]["daemon_cpu_seconds"][policy] / steps
+            # Both nodes' daemons of this mode's policy over its timed steps (read from /proc by rank 0 as they
+            # began and ended), per step, and per MB of state replicated (every rank's share, raw).
+            timed = ranks[0]["results"][mode]
+            if timed.get("daemon_cpu_steps"):
+                row["daemon_cpu_seconds_per_step"] = timed["daemon_cpu_seconds"] / timed["daemon_cpu_steps"]
+                replicated = row["replicated_bytes_per_rank"] * len(ranks) if MODES[mode][2] else 0
+                if replicated:
+                    row["daemon_cpu_seconds_per_mb"] = row["daemon_cpu_seconds_per_step"] / (replicated / 1e6)
         out[mode] = row
     for mode, row in out.items():
         row["step_ratio"] = row["step_seconds"] / out["off"]["step_seconds"] if "off" in out else None
@@ -267,7 +262,8 @@ def report(result: dict) -> str:
                          f"{row['lag_at_end']:g} / {row['drain_seconds'] * 1e3:.0f}" if "lag_at_end" in row else "-",
                          f"{row['collisions']} of {row['collectives']} / {row['overlap_seconds_per_step'] * 1e3:.1f}"
                          if row.get("collectives") else "-",
-                         f"{row['daemon_cpu_seconds_per_step'] * 1e3:.0f}" if "daemon_cpu_seconds_per_step" in row else "-",
+                         f"{row['daemon_cpu_seconds_per_step'] * 1e3:.1f}" if "daemon_cpu_seconds_per_step" in row else "-",
+                         f"{row['daemon_cpu_seconds_per_mb'] * 1e3:.1f}" if "daemon_cpu_seconds_per_mb" in row else "-",
                          f"{row['saved']} / {row['skipped']}" if "saved" in row else "-"])
     cfg = result["config"]
     head = (f"TinyGPT-{cfg['size']} batch {cfg.get('batch', 8)}, {cfg['ranks']} ranks as {cfg['nodes']} nodes, "
@@ -280,7 +276,7 @@ def report(result: dict) -> str:
                                              "fwd / bwd / opt ms", "commit ms", "wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
-                                             "daemon CPU ms/step", "to disk: written / skipped"])])
+                                             "daemon CPU ms/step", "daemon CPU ms/MB", "to disk: written / skipped"])])
 
 
 def plot(result: dict, path: Path) -> Path | None:
