@@ -170,6 +170,8 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
     killed alone, training goes on at once but holds later, when the slots go unread and replication waits for the
     new daemon)."""
     restored = [e for e in events if e.get("event") == "restored"]
+    landed = {n["index"]: n["landed"] for n in notes if n["kind"] == "landed"}  # where each timer kill hit
+    notes = [n for n in notes if n["kind"] != "landed"]
     kills = sorted(n["time"] for n in notes if n["kind"] != "double-then")
     rows = []
     for i, f in enumerate(schedule):
@@ -189,7 +191,8 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
         times = [killed] + [p["time"] for p in progress if after < p["time"] < until]
         row = {**f, "index": i, "hit": True, "after_step": first.get("after_step"), "killed_at": killed,
                "downtime": (nxt["time"] - killed) if nxt else None,
-               "stall": max((b - a for a, b in zip(times, times[1:])), default=None)}
+               "stall": max((b - a for a, b in zip(times, times[1:])), default=None),
+               **({"landed": landed[i]} if i in landed else {})}
         # Training goes on after these, unless something restarted the group before the next failure (a commit
         # held past the watchdog's deadline, say): then that restart is this failure's, and so are its steps lost.
         restart = next((p for p in progress if after < p["time"] < until and p.get("attempt", 0) > last["attempt"]),
@@ -210,7 +213,7 @@ def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], 
 
 def label(f: dict) -> str:
     if f["kind"] == "rank":
-        return f"rank ({f['phase']})"
+        return f"rank ({f['phase']}{', landed in ' + f['landed'] if f.get('landed') else ''})"
     if f["kind"] == "double":
         return f"two in a row ({f['phase']})"
     if f["kind"] == "hang":

@@ -5,7 +5,7 @@ The schedule is a JSON list, one failure each, in step order (``ffstate bench ch
 - ``{"kind": "rank", "step": S, "rank": R, "phase": P}``: rank R is SIGKILLed at step S, where ``P`` is
   ``after-commit`` (right after committing S), ``mid-step`` (after the backward of step S, before the
   optimizer's), ``mid-commit`` (inside the commit of S: its slot half written, never published) or
-  ``timer`` (``"delay": D`` seconds after step S began, wherever the rank is then);
+  ``timer`` (``"delay": D`` seconds after step S began, wherever the rank is then: noted as ``landed``);
 - ``{"kind": "node", "step": S, "node": N}``: node N's daemon and every rank of it, after every rank committed S;
 - ``{"kind": "daemon", "step": S, "node": N}``: only node N's daemon, after S; training goes on;
 - ``{"kind": "double", "step": S, "rank": R, "phase": P, "then": R2}``: rank R as above, and when the group
@@ -51,6 +51,10 @@ class Faults:
         self.kill_daemon = kill_daemon
         self.pause: Callable | None = None  # ff.pause, once the job entered ffstate.replicate
         self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # Where in its step the rank is (for a ``timer`` kill): ``compute`` (before the backward returned: the
+        # step's all-reduce waits for this rank), ``update`` (after it: the other ranks may commit the step this
+        # rank never will, one step lost), ``committed`` (its slot holds the step).
+        self.at = "compute"
 
     def _due(self, step: int, kinds: tuple[str, ...]) -> list[tuple[int, dict]]:
         return [(i, f) for i, f in enumerate(self.schedule) if f["step"] == step and f["kind"] in kinds
@@ -69,6 +73,13 @@ class Faults:
 
     def _die(self) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _die_noting(self, i: int) -> None:
+        """A ``timer`` kill: where it landed (``at``) noted first."""
+        with open(self.out / "failures.jsonl", "a") as out:
+            out.write(json.dumps({"index": i, "kind": "landed", "landed": self.at, "time": time.time(),
+                                  "attempt": self.attempt}) + "\n")
+        self._die()
 
     def _mine(self, f: dict) -> bool:
         return f.get("rank") == self.rank
@@ -90,7 +101,8 @@ class Faults:
         for i, f in self._due(step, ("rank", "double")):
             if self._mine(f) and f["phase"] == "timer" and self._once(i):
                 self._note(i, f, killed=self.rank, after_step=step - 1)
-                threading.Timer(f["delay"], self._die).start()
+                threading.Timer(f["delay"], self._die_noting, (i,)).start()
+        self.at = "compute"
         for i, f in enumerate(self.schedule):
             if f["kind"] == "straggler" and self._mine(f) and f["step"] <= step < f.get("until", 1 << 62):
                 time.sleep(f["seconds"])
@@ -109,6 +121,7 @@ class Faults:
     def mid_step(self, step: int, phase: str, arm: Callable[[Callable[[], None]], None] | None = None) -> None:
         """After the backward (``mid-step``: dies now) or before the optimizer's step (``mid-commit``: ``arm``
         makes the next commit die half written)."""
+        self.at = "update"
         for i, f in self._due(step, ("rank", "double")):
             if self._mine(f) and f["phase"] == phase and self._once(i):
                 self._note(i, f, killed=self.rank, after_step=step - 1)
@@ -119,6 +132,7 @@ class Faults:
 
     def committed(self, step: int) -> None:
         """Step ``step`` is committed: progress, ``after-commit`` kills, node and daemon losses."""
+        self.at = "committed"
         if self.rank == 0:
             with open(self.out / "progress.jsonl", "a") as out:
                 out.write(json.dumps({"step": step, "time": time.time(), "attempt": self.attempt}) + "\n")
