@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test,bench]"
+	# nvidia-resiliency-ext 0.4.1 pulls in the deprecated pynvml shim beside nvidia-ml-py; the shim's import hook makes
+	# torch warn in every process. nvidia-ml-py provides the same module.
+	$(PY) -m pip uninstall -q -y pynvml
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -37,7 +37,8 @@ class Config:
             the reference path).
         codec_threads: threads of the CPU codec path; 0 means the number of cores, at most 8.
         job_id: the job's id, which names its replicas; default: torchrun's run id
-            (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else ``ffstate-job``.
+            (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else Slurm's job id
+            (``SLURM_JOB_ID``), else ``ffstate-job``.
         token: the job's secret, carried by every RPC (``FFSTATE_TOKEN``); default: read from ``token_file``, else
             agreed by the job's ranks through its torch.distributed store (the rendezvous is the job's trust
             boundary) and kept in each node's run folder so that restarts find it; a single process without a
@@ -117,6 +118,12 @@ class Config:
             the same on every old rank are restored either way.
         drain_hold: seconds a rank of a node being drained (``ffstate drain``) waits at its last step for the node
             to be taken out of the job; past it the drain is given up and training goes on.
+        spares: warm spare processes launched on each node beside its training ranks, for the mode in which the
+            surviving ranks stay in their processes (``ffstate.inprocess``): a rank that dies is taken over by a
+            spare of its node, restored from the node's slots.
+        spare_nodes: whole nodes of spare processes launched after the training's nodes (``ffstate.inprocess``): a
+            node that lost more ranks than it has spares (a node lost) moves to one of them, restored from the
+            replicas.
     """
 
     chunk_bytes: int = 1 << 20
@@ -159,6 +166,8 @@ class Config:
     persist_nice: str = "idle"
     resize_rng: str = "refuse"
     drain_hold: float = 300.0
+    spares: int = 1
+    spare_nodes: int = 0
 
     def __post_init__(self) -> None:
         check_hang(self)
@@ -183,6 +192,8 @@ class Config:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.razor_verify_every < 1:
             raise ValueError(f"razor_verify_every must be >= 1, got {self.razor_verify_every}")
+        if self.spares < 0 or self.spare_nodes < 0:
+            raise ValueError(f"spares and spare_nodes must be >= 0, got {self.spares}, {self.spare_nodes}")
         if self.replicas < 0 or self.max_lag < 1 or self.simulated_nodes < 0:
             raise ValueError(f"replicas >= 0, max_lag >= 1, simulated_nodes >= 0; got {self.replicas}, "
                              f"{self.max_lag}, {self.simulated_nodes}")

@@ -48,7 +48,8 @@ class Job:
         warn_about_torchrun_restarts()
         self.job = job_id(cfg)
         self.topology = placement.topology(self.rank, self.world, cfg)
-        self.attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # torchrun's restart count, or the in-process engine's restart (ffstate/inprocess/), in the job's events
+        self.attempt = int(os.environ.get("FFSTATE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.generation = self._generation()  # this attempt's name, the same on every rank
         self.prefix = f"ffstate/{self.job}/{self.generation}"
         self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
@@ -176,8 +177,9 @@ class Job:
 
 
 def job_id(cfg: Config) -> str:
-    """The job's id: ``Config.job_id``, else torchrun's run id, made safe for file and key names."""
-    raw = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or "ffstate-job"
+    """The job's id: ``Config.job_id``, else torchrun's run id, else Slurm's job id, made safe for file and key
+    names."""
+    raw = cfg.job_id or os.environ.get("TORCHELASTIC_RUN_ID", "") or os.environ.get("SLURM_JOB_ID", "") or "ffstate-job"
     if raw == "none":
         raw = "ffstate-job"
     return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:128]

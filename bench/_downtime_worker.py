@@ -1,0 +1,116 @@
+"""The job of ``ffstate bench downtime`` and of the in-process tests: the README's DDP loop (TinyGPT, AdamW, a
+cosine schedule, the data position as an extra), under plain torchrun (``--mode torchrun``: torchrun restarts every
+worker after a failure) or in the mode where survivors stay in their processes (``--mode inprocess``: under
+``ffstate.inprocess.restartable``, launched as every process of the job, spares included).
+
+    python -m ffstate.bench._downtime_worker OUT STEPS --mode torchrun|inprocess [--kill PROCESS:STEP ...]
+        [--kill-after-restore PROCESS] [--step-seconds S]
+
+``--kill P:S``: process P (its RANK at launch; under torchrun the rank) SIGKILLs itself right after committing step
+S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself right after its first restore in a
+restarted entry, before its first step (two failures in a row). ``--step-seconds``: each step sleeps to take at
+least this long (a job whose steps are not all Python on 2 cores). Every process appends to OUT/progress.jsonl:
+``{"kill": P}`` before it dies; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process
+began, its process group is up, ffstate restored it); ``{"process", "rank", "step", "iteration"}`` at every commit;
+each with its wall ``time``. At the end each rank writes OUT/final-rank<R>.pt.
+"""
+
+import time
+
+STARTED = time.time()  # before the imports: a restarted worker's start, as torchrun gives it
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import ffstate  # noqa: E402
+from ffstate.testing.models import TinyGPT  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out", type=Path)
+    p.add_argument("steps", type=int)
+    p.add_argument("--mode", choices=("torchrun", "inprocess"), required=True)
+    p.add_argument("--kill", action="append", default=[])
+    p.add_argument("--kill-after-restore", type=int, default=-1)
+    p.add_argument("--step-seconds", type=float, default=0.0)
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    kills = {int(k.split(":")[0]): int(k.split(":")[1]) for k in a.kill}
+    process = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = TinyGPT()  # built once, before the engine: a spare is warm (torch imported, model built)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=a.steps)
+    data = {"offset": 0}
+
+    def note(record: dict, at: float | None = None) -> None:
+        with open(a.out / "progress.jsonl", "a") as f:
+            f.write(json.dumps({**record, "time": at or time.time()}) + "\n")
+
+    def die(marker: str) -> None:
+        try:
+            os.close(os.open(a.out / marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        note({"kill": process})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    note({"process": process, "event": "started", "iteration": iteration}, STARTED)
+
+    def train(rank: int, world: int, iteration: int) -> int:
+        note({"process": process, "event": "group", "iteration": iteration})
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+
+        def batch(offset: int) -> torch.Tensor:  # synthetic tokens, a function of the position
+            g = torch.Generator().manual_seed(offset * world + rank)
+            return torch.randint(0, 96, (8, 33), generator=g)
+
+        with ffstate.replicate(ddp, optimizer, lr_scheduler=sched, extra=data) as ff:
+            note({"process": process, "event": "restored", "iteration": iteration, "version": ff.start_step})
+            if iteration and process == a.kill_after_restore:
+                die("killed-after-restore")
+            for step in range(ff.start_step, a.steps):
+                began = time.perf_counter()
+                x = batch(data["offset"])
+                logits = ddp(x[:, :-1])
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), x[:, 1:].reshape(-1))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                sched.step()
+                data["offset"] += 1
+                time.sleep(max(0.0, a.step_seconds - (time.perf_counter() - began)))
+                ff.commit(step + 1)
+                note({"process": process, "rank": rank, "step": step + 1, "iteration": iteration})
+                if kills.get(process) == step + 1:
+                    die(f"killed-{process}")
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": sched.state_dict(),
+                    "data": data}, a.out / f"final-rank{rank}.pt")
+        return rank
+
+    if a.mode == "torchrun":
+        dist.init_process_group("gloo")
+        train(dist.get_rank(), dist.get_world_size(), iteration)
+        dist.destroy_process_group()
+        return
+    from ffstate.inprocess import restartable
+
+    @restartable()
+    def attempt(at):
+        return train(at.rank, at.world, at.iteration)
+
+    attempt()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,27 @@
+"""The mode in which the surviving ranks stay in their processes when one fails (docs/inprocess.md): the training
+function runs under NVIDIA's resiliency extension (``nvidia-resiliency-ext``), which finds a dead rank, stops the
+collectives the others wait in and enters the function again in the same processes; a warm spare takes the dead
+rank's place, and ffstate restores every rank at v*.
+
+    from ffstate.inprocess import restartable
+
+    @restartable()
+    def train(attempt):            # entered again after a failure, in the same process
+        ddp = DDP(model)           # over this entry's process group; the model was built once, outside
+        with ffstate.replicate(ddp, optimizer, ...) as ff:
+            ...
+
+``assignment`` (which process holds which rank: pure code), ``abort`` (stopping a gloo group), ``store`` (the
+job's stores, outside every rank), ``engine`` (the extension's wrapper, configured).
+"""
+
+try:
+    import nvidia_resiliency_ext.inprocess  # noqa: F401
+except ImportError as e:  # an optional dependency: only this mode needs it
+    raise ImportError("ffstate.inprocess needs NVIDIA's resiliency extension: pip install 'ffstate[inprocess]' "
+                      "(or nvidia-resiliency-ext)") from e
+
+from ffstate.inprocess.assignment import Layout, NoSpareLeft
+from ffstate.inprocess.engine import Attempt, restartable
+
+__all__ = ["Attempt", "Layout", "NoSpareLeft", "restartable"]

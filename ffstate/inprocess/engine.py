@@ -1,0 +1,197 @@
+"""Running a training function under NVIDIA's resiliency extension (``nvidia_resiliency_ext.inprocess.Wrapper``),
+with what ffstate adds: a rank assignment that keeps ranks on their nodes (``assignment.py``), a gloo abort that
+works (``abort.py``), stores outside every rank (``store.py``), and a fresh process group on a fresh store prefix
+each time the function is entered. The extension detects a dead rank (its monitor processes), raises into every
+surviving rank's training thread, runs the abort, and calls the function again in the same process; spares wait
+inside it until they are given a rank. ffstate's restore at entry does the rest: every rank resumes at v*, the
+survivors and a same-node spare from their node's slots, a spare node from the replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import gc
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from nvidia_resiliency_ext import inprocess
+from nvidia_resiliency_ext.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
+from nvidia_resiliency_ext.inprocess.state import Mode
+
+from ffstate import placement
+from ffstate.config import Config
+from ffstate.errors import FFStateError
+from ffstate.inprocess.abort import GroupAbort, open_sockets
+from ffstate.inprocess.assignment import Assignment, Layout
+from ffstate.inprocess.store import ensure, register
+from ffstate.job import job_id
+
+log = logging.getLogger("ffstate.inprocess")
+
+# The engine's intervals: how often its monitor thread and process look (a dead rank is found within about
+# this), and when it gives up. Its hang timeouts are left long: ffstate's own watchdog finds a hung rank and kills it
+# (docs/operations.md), which the engine then sees as a dead one.
+_MS = datetime.timedelta(milliseconds=1)
+WRAPPER = dict(monitor_thread_interval=50 * _MS, monitor_process_interval=50 * _MS, last_call_wait=20 * _MS,
+               progress_watchdog_interval=100 * _MS, heartbeat_interval=500 * _MS, heartbeat_timeout=10_000 * _MS,
+               soft_timeout=3_600_000 * _MS, hard_timeout=3_660_000 * _MS, barrier_timeout=3_720_000 * _MS,
+               completion_timeout=3_720_000 * _MS, termination_grace_time=1_000 * _MS)
+PG_TIMEOUT = datetime.timedelta(minutes=30)  # a collective's own timeout: the abort, not this, ends a failed one
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What the training function is told at each entry: its ``rank`` and the ``world`` size, the engine's
+    ``iteration`` (0 at the start, then one more at each restart), this process (``process``: its rank at launch)
+    and the processes lost so far (``failures``)."""
+
+    rank: int
+    world: int
+    iteration: int
+    process: int
+    failures: tuple[int, ...]
+
+
+class NodeSpares(RankAssignment):
+    """The engine's rank assignment: ``assignment.Assignment``, for the processes' ranks as the engine numbers them
+    (the live processes in launch order)."""
+
+    def __init__(self, layout: Layout):
+        self.assignment = Assignment.start(layout)
+
+    def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
+        a, state = self.assignment, ctx.state
+        lost = {a.alive[r] for r in ctx.terminated_ranks}
+        me = state.initial_rank
+        if me in lost:
+            raise RankDiscarded(f"process {me} was reported lost")
+        if lost:
+            a.lose(lost)  # NoSpareLeft: every process stops, saying so
+        rank = a.rank_of(me)
+        ctx.state = dataclasses.replace(state, rank=a.alive.index(me), world_size=len(a.alive),
+                                        mode=Mode.ACTIVE if rank is not None else Mode.INACTIVE, active_rank=rank,
+                                        active_world_size=a.layout.world)
+        ctx.terminated_ranks = set()
+        return ctx
+
+
+def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None):
+    """Runs a training function so that, when a rank dies, the other ranks stay in their processes: the function is
+    entered again (a fresh process group each time), a warm spare takes the dead rank's place, and every rank
+    resumes at the step the job reached from ffstate's copies.
+
+    The function takes an ``Attempt`` first; it builds what depends on the process group (``DistributedDataParallel``
+    around a model built once, outside it) and trains inside ``ffstate.replicate(...)``. Launch every process of
+    the job (training ranks and spares, node by node) with ``RANK``, ``WORLD_SIZE`` (all of them), ``MASTER_ADDR``
+    and ``MASTER_PORT`` set, by a launcher that does not stop the others when one dies (Slurm's ``srun``, or one
+    process each started by hand): torchrun's agent does. Spares and spare nodes: ``Config.spares`` and
+    ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or ``Config.simulated_nodes`` on one machine.
+
+    Returns:
+        The function's return value on a training rank; None on a process that stayed a spare.
+
+    Raises:
+        FFStateError: the launch does not match the layout (a variable missing, processes that do not divide).
+        assignment.NoSpareLeft: a node lost a rank with no spare left for it and no spare node free.
+    """
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(f)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return _run(f, args, kwargs, config or Config.from_env(), backend)
+
+        return run
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def layout_of(cfg: Config, processes: int) -> Layout:
+    """The launch's layout from the configuration and the environment.
+
+    Raises:
+        FFStateError: the numbers do not fit together.
+    """
+    if cfg.simulated_nodes:
+        nodes = cfg.simulated_nodes
+    else:
+        machines = int(os.environ.get("SLURM_NNODES") or os.environ.get("NNODES") or 1 + cfg.spare_nodes)
+        nodes = machines - cfg.spare_nodes
+    try:
+        return Layout.of(processes, nodes, cfg.spares, cfg.spare_nodes)
+    except ValueError as e:
+        raise FFStateError(f"ffstate.inprocess: {e} (WORLD_SIZE counts every process launched, spares included; "
+                           "Config.spares per node, Config.spare_nodes, and the nodes from SLURM_NNODES, NNODES or "
+                           "Config.simulated_nodes)") from None
+
+
+def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None) -> Any:
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise FFStateError(f"ffstate.inprocess: {', '.join(missing)} not set: launch each process (training ranks "
+                           "and spares) with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (srun, or by hand; "
+                           "docs/inprocess.md)")
+    if dist.is_available() and dist.is_initialized():
+        raise FFStateError("ffstate.inprocess makes the process group itself at each entry; do not call "
+                           "init_process_group before")
+    process, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    layout = layout_of(cfg, processes)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job_id(cfg)}"
+    if placement.is_local(host):
+        ensure(host, port, run_dir)
+    register(run_dir)
+    app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    abort = GroupAbort()
+    assignment = NodeSpares(layout)
+    # The engine collects garbage until none is left between two entries; with torch loaded that took 0.5-0.7 s
+    # per restart here. What exists now lives as long as the process: out of the collector's way.
+    gc.collect()
+    gc.freeze()
+    with _without("LOCAL_RANK"):  # the extension >= 0.5 adds GPU health checks where it is set; none on a CPU
+        wrapper = inprocess.Wrapper(store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
+                                    abort=abort, rank_assignment=assignment, health_check=None,
+                                    monitor_process_logfile=str(run_dir / "engine-{rank}.log"), **WRAPPER)
+    per = layout.per_node
+
+    def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Any:
+        rank, world, it = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), call_wrapper.iteration
+        os.environ.update(FFSTATE_ATTEMPT=str(it), LOCAL_WORLD_SIZE=str(per), GROUP_RANK=str(rank // per),
+                          LOCAL_RANK=str(rank % per))
+        start = time.perf_counter()
+        before = open_sockets()
+        dist.init_process_group(backend, store=dist.PrefixStore(f"ffstate-attempt-{it}", app_store), rank=rank,
+                                world_size=world, timeout=PG_TIMEOUT)
+        abort.opened(open_sockets() - before)
+        failures = tuple(assignment.assignment.failures)
+        if it:
+            log.warning("rank %d (process %d): restarted in this process (iteration %d; processes lost so far: %s); "
+                        "process group again in %.0f ms", rank, process, it, list(failures),
+                        (time.perf_counter() - start) * 1e3)
+        got = fn(Attempt(rank, world, it, process, failures), *args, **kwargs)
+        dist.destroy_process_group()
+        return got
+
+    # The extension hands its CallWrapper to the parameter annotated with its class, which it reads as a class, not
+    # as the string this module's annotations are.
+    attempt.__annotations__["call_wrapper"] = Optional[inprocess.CallWrapper]
+    return wrapper(attempt)()
+
+
+@contextlib.contextmanager
+def _without(name: str):
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
