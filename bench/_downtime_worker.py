@@ -44,7 +44,7 @@ def main() -> None:
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    kills = {int(k.split(":")[0]): int(k.split(":")[1]) for k in a.kill}
+    kills = {(int(k.split(":")[0]), int(k.split(":")[1])) for k in a.kill}  # (process, step)
     process = int(os.environ["RANK"])
     torch.manual_seed(0)
     model = TinyGPT()  # built once, before the engine: a spare is warm (torch imported, model built)
@@ -92,8 +92,8 @@ def main() -> None:
                 time.sleep(max(0.0, a.step_seconds - (time.perf_counter() - began)))
                 ff.commit(step + 1)
                 note({"process": process, "rank": rank, "step": step + 1, "iteration": iteration})
-                if kills.get(process) == step + 1:
-                    die(f"killed-{process}")
+                if (process, step + 1) in kills:
+                    die(f"killed-{process}-{step + 1}")
         torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": sched.state_dict(),
                     "data": data}, a.out / f"final-rank{rank}.pt")
         return rank

@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ffstate.bench import recovery as recovery_bench
     from ffstate.bench import simulate as simulate_bench
     from ffstate.bench import codec as codec_bench
+    from ffstate.bench import downtime as downtime_bench
 
     p = which.add_parser("codec", help="encode and decode vs a plain copy, and the compression, on fp32 and bf16 AdamW state")
     codec_bench.add_arguments(p)
@@ -199,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = which.add_parser("chaos", help="one job under a seeded schedule of many failures: steps lost, downtime, memory")
     chaos_bench.add_arguments(p)
     p.set_defaults(run=chaos_bench.main)
+    p = which.add_parser("downtime", help="a rank's loss under torchrun and with survivors kept in their processes: "
+                                          "seconds to the next step, and where they go")
+    downtime_bench.add_arguments(p)
+    p.set_defaults(run=downtime_bench.main)
     return parser
 
 
