@@ -93,9 +93,9 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
 
     The function takes an ``Attempt`` first; it builds what depends on the process group (``DistributedDataParallel``
     around a model built once, outside it) and trains inside ``ffstate.replicate(...)``. Launch every process of
-    the job (training ranks and spares, node by node) with ``RANK``, ``WORLD_SIZE`` (all of them), ``MASTER_ADDR``
-    and ``MASTER_PORT`` set, by a launcher that does not stop the others when one dies (Slurm's ``srun``, or one
-    process each started by hand): torchrun's agent does. Spares and spare nodes: ``Config.spares`` and
+    the job (training ranks and spares, node by node) with ``RANK``, ``WORLD_SIZE`` (all of them; under ``srun``,
+    ``SLURM_PROCID`` and ``SLURM_NTASKS``), ``MASTER_ADDR`` and ``MASTER_PORT`` set, by a launcher that does not stop
+    the others when one dies (Slurm's ``srun``, or one process each started by hand): torchrun's agent does. Spares and spare nodes: ``Config.spares`` and
     ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or ``Config.simulated_nodes`` on one machine.
 
     Returns:
@@ -135,6 +135,9 @@ def layout_of(cfg: Config, processes: int) -> Layout:
 
 
 def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None) -> Any:
+    for var, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS")):  # srun sets these
+        if var not in os.environ and slurm in os.environ:
+            os.environ[var] = os.environ[slurm]
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise FFStateError(f"ffstate.inprocess: {', '.join(missing)} not set: launch each process (training ranks "
