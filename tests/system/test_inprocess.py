@@ -33,16 +33,17 @@ LAYOUT = dict(FFSTATE_SIMULATED_NODES="2", FFSTATE_SPARES="1", FFSTATE_SPARE_NOD
 PROCESSES = 9
 
 
-def launch(out: Path, kills: list[str], after_restore: int = -1) -> tuple[list[subprocess.Popen], dict]:
+def launch(out: Path, kills: list[str], after_restore: int = -1, layout: dict = LAYOUT,
+           processes: int = PROCESSES) -> tuple[list[subprocess.Popen], dict]:
     """Every process of the job, as a launcher such as srun starts them."""
     port = free_ports(4)
-    env = {**os.environ, **LAYOUT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(PROCESSES),
+    env = {**os.environ, **layout, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
            "OMP_NUM_THREADS": "1", "FFSTATE_JOB_ID": f"ip{uuid.uuid4().hex[:8]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
            "FFSTATE_BASE_PORT": str(free_ports(2)), "TMPDIR": str(out), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     args = [sys.executable, "-m", "ffstate.bench._downtime_worker", str(out), str(STEPS), "--mode", "inprocess",
             *[a for k in kills for a in ("--kill", k)], "--kill-after-restore", str(after_restore)]
     procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=open(out / f"p{r}.log", "w"),
-                              stderr=subprocess.STDOUT) for r in range(PROCESSES)]
+                              stderr=subprocess.STDOUT) for r in range(processes)]
     return procs, env
 
 
@@ -83,8 +84,9 @@ def finals(out: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    procs, env = launch(out, [])
-    assert finish(procs, out, env) == [0] * PROCESSES, (out / "p0.log").read_text()[-3000:]
+    # The same job, no failure and no spare (spares change nothing of the training, and each costs a start)
+    procs, env = launch(out, [], layout={**LAYOUT, "FFSTATE_SPARES": "0", "FFSTATE_SPARE_NODES": "0"}, processes=4)
+    assert finish(procs, out, env) == [0] * 4, (out / "p0.log").read_text()[-3000:]
     return finals(out)
 
 
