@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -184,22 +184,29 @@ def shadow_step_on_first_forward(ddp: torch.nn.parallel.DistributedDataParallel)
 
     def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         handle.remove()
-        rng = rng_state()
-        buffers = [b.detach().clone() for b in module.buffers()]
-        with torch.enable_grad():
-            out = module(*args, **kwargs)
-            leaves = [t for t in _tensors(out) if t.requires_grad]
-            if leaves:
-                torch.stack([t.float().sum() for t in leaves]).sum().backward()
-        for p in module.parameters():
-            p.grad = None
-        with torch.no_grad():
-            for b, saved in zip(module.buffers(), buffers):
-                b.copy_(saved)
-        set_rng_state(rng)
-        log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
+        shadow_step(module, lambda: module(*args, **kwargs))
 
     handle = ddp.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def shadow_step(ddp: torch.nn.Module, forward: Callable[[], Any]) -> None:
+    """One forward (``forward()``, through ``ddp``) and backward whose gradients, buffers and RNG are put back:
+    DDP's gradient buckets get their rebuilt layout (``shadow_step_on_first_forward``; a framework that routes its
+    forward itself, as Lightning does, calls this from its own hook)."""
+    rng = rng_state()
+    buffers = [b.detach().clone() for b in ddp.buffers()]
+    with torch.enable_grad():
+        out = forward()
+        leaves = [t for t in _tensors(out) if t.requires_grad]
+        if leaves:
+            torch.stack([t.float().sum() for t in leaves]).sum().backward()
+    for p in ddp.parameters():
+        p.grad = None
+    with torch.no_grad():
+        for b, saved in zip(ddp.buffers(), buffers):
+            b.copy_(saved)
+    set_rng_state(rng)
+    log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

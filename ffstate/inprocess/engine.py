@@ -95,8 +95,9 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
     around a model built once, outside it) and trains inside ``ffstate.replicate(...)``. Launch every process of
     the job (training ranks and spares, node by node) with ``RANK``, ``WORLD_SIZE`` (all of them; under ``srun``,
     ``SLURM_PROCID`` and ``SLURM_NTASKS``), ``MASTER_ADDR`` and ``MASTER_PORT`` set, by a launcher that does not stop
-    the others when one dies (Slurm's ``srun``, or one process each started by hand): torchrun's agent does. Spares and spare nodes: ``Config.spares`` and
-    ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or ``Config.simulated_nodes`` on one machine.
+    the others when one dies (Slurm's ``srun``, or one process each started by hand): torchrun's agent does. Spares
+    and spare nodes: ``Config.spares`` and ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or
+    ``Config.simulated_nodes`` on one machine.
 
     Returns:
         The function's return value on a training rank; None on a process that stayed a spare.

@@ -1,0 +1,162 @@
+"""The Hugging Face Trainer: ``train(trainer)``, used instead of ``trainer.train()``, and the ``ReplicationCallback`` it
+needs among the Trainer's callbacks (docs/hf.md). Together they replicate the model, the optimizer, the LR scheduler,
+the gradient scaler, the ``TrainerState`` (global step, epoch, logs, the exportable callbacks' states) and every rank's
+RNG streams, and resume after a restart at the exact batch, bit for bit.
+
+A callback alone cannot resume a Trainer mid-epoch: the batches to skip are worked out inside its loop, from the
+checkpoint folder it is given, and the ``TrainerState`` is made anew there. So ``train`` restores from ffstate first
+(model, optimizer, scheduler, scaler, RNG; the Trainer made the optimizer and scheduler the way its loop would), then
+hands the Trainer a folder holding only ``trainer_state.json``: the Trainer's own resume then skips to the batch,
+and finds nothing else there to load. The callback commits each step once the Trainer is done with it (logs,
+evaluation, saves: at the next step's start, the next epoch's start, or the end) and sets the restored RNG again where
+the resumed loop reaches the point it was captured at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+import ffstate
+from ffstate import capture
+from ffstate.config import Config
+from ffstate.errors import FFStateError
+
+log = logging.getLogger("ffstate.integrations.hf")
+TRAINER_STATE = "trainer_state.json"  # the one file of the folder the Trainer resumes from
+
+
+class _TrainerState:
+    """The ``TrainerState`` as one JSON string: one value for ffstate, whose layout stays the same as the log grows."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.restored: dict | None = None
+
+    def state_dict(self) -> dict:
+        if self.trainer is None:
+            return {"json": ""}
+        state = dataclasses.asdict(self.trainer.state)
+        exported: dict = {}  # what the Trainer's own checkpoints keep of its callbacks (EarlyStopping, its control)
+        for cb in [*self.trainer.callback_handler.callbacks, self.trainer.control]:
+            if isinstance(cb, ExportableState):
+                exported.setdefault(type(cb).__name__, []).append(cb.state())
+        state["stateful_callbacks"] = {k: v[0] if len(v) == 1 else v for k, v in exported.items()}
+        return {"json": json.dumps(state, sort_keys=True)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = json.loads(state["json"]) if state["json"] else None
+
+
+class ReplicationCallback(TrainerCallback):
+    """Commits each optimizer step and puts the restored RNG back at the right point (see the module); ``train``
+    enters ffstate and needs this callback among the Trainer's."""
+
+    def __init__(self) -> None:
+        self.box = _TrainerState()
+        self.ff: Any = None
+        self.restored = False
+        self._version = 0
+        self._rng: dict | None = None
+        self._rng_at = ""  # "epoch" (restored at an epoch's end) or "step"
+        self._pause = contextlib.ExitStack()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.restored and self.ff is not None and self.ff.cfg.shadow_ddp_step:
+            wrapped = self.box.trainer.model_wrapped  # the DDP module now: its buckets as a run that never stopped
+            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+                capture.shadow_step_on_first_forward(wrapped)
+
+    def _commit(self, state: Any) -> None:
+        self._pause.close()
+        if self.ff is not None and state.global_step > self._version:
+            self.ff.commit(state.global_step)
+            self._version = state.global_step
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._rng is not None and self._rng_at == "epoch":
+            capture.set_rng_state(self._rng)  # before the epoch's iterator draws its seed, as in the run that went on
+            self._rng = None
+        self._commit(state)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._rng is not None and self._rng_at == "step":
+            capture.set_rng_state(self._rng)  # after the resumed iterator and the skip, before the forward
+            self._rng = None
+        self._commit(state)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.ff is not None and (control.should_evaluate or control.should_save):
+            self._pause.enter_context(self.ff.pause())  # not a step: the watchdog must not take it for a hang
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._commit(state)
+
+
+def _callback(trainer: Any) -> ReplicationCallback:
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, ReplicationCallback):
+            return cb
+    raise FFStateError("ffstate.integrations.hf.train needs ReplicationCallback() among the Trainer's callbacks")
+
+
+def train(trainer: Any, config: Config | None = None, **train_kwargs: Any) -> Any:
+    """``trainer.train(**train_kwargs)`` with the job's state replicated, and restored after a restart.
+
+    Args:
+        trainer: a ``transformers.Trainer`` with ``ReplicationCallback()`` among its callbacks.
+        config: ffstate's knobs (default ``Config.from_env()``). Under DDP the model and optimizer state are declared
+            the same on every rank (``razor_identical``: the model is not wrapped yet when ffstate enters), verified.
+
+    Raises:
+        FFStateError: ``resume_from_checkpoint`` given (ffstate resumes by itself), no ``ReplicationCallback``.
+    """
+    if train_kwargs.get("resume_from_checkpoint"):
+        raise FFStateError("ffstate.integrations.hf.train resumes by itself: pass no resume_from_checkpoint")
+    cb = _callback(trainer)
+    cfg = config or Config.from_env()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not cfg.razor_identical:
+        cfg = cfg.replace(razor_identical="model,optim/state")
+    # The optimizer and scheduler as the Trainer's loop makes them (it keeps ones that exist); the schedule's length
+    # from the loader, as the loop works it out.
+    loader = trainer.get_train_dataloader()
+    values = trainer.set_initial_training_values(trainer.args, loader)
+    per_epoch, max_steps = values[1], values[-1]
+    trainer.create_optimizer()
+    trainer.create_scheduler(num_training_steps=max_steps)
+    trainer._created_lr_scheduler = False  # else the loop drops this scheduler and makes another
+    cb.box.trainer = trainer
+    extra: dict = {"trainer_state": cb.box}
+    if getattr(trainer.accelerator, "scaler", None) is not None:
+        extra["scaler"] = trainer.accelerator.scaler
+    with ffstate.replicate(trainer.model, trainer.optimizer, lr_scheduler=trainer.lr_scheduler, extra=extra,
+                           config=cfg) as ff:
+        cb.ff, cb._version, cb.restored = ff, ff.start_step, ff.restored is not None
+        try:
+            if not cb.restored or cb.box.restored is None:
+                return trainer.train(**train_kwargs)
+            state = cb.box.restored
+            cb._rng = capture.rng_state()  # restored; the Trainer draws from it before the first step
+            cb._rng_at = "epoch" if per_epoch and state["global_step"] % per_epoch == 0 else "step"
+            folder = tempfile.mkdtemp(prefix="ffstate-hf-resume-")
+            with open(os.path.join(folder, TRAINER_STATE), "w") as f:
+                json.dump(state, f)
+            trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is restored; nothing to load
+            try:
+                return trainer.train(resume_from_checkpoint=folder, **train_kwargs)
+            finally:
+                del trainer._load_from_checkpoint
+                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            cb.ff = None

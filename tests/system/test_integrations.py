@@ -1,0 +1,47 @@
+"""The frameworks' adapters (ffstate/integrations/): a PyTorch Lightning fit and a Hugging Face Trainer run, each under
+torchrun on 2 ranks (DDP, gloo) with a rank SIGKILLed mid-epoch, end bit-identical to the same run without ffstate and
+without the failure, restored at the step the job reached."""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from ffstate.bench._report import free_ports
+from helpers import assert_bitwise_equal
+
+pytestmark = pytest.mark.timeout(600)
+PROCS = Path(__file__).resolve().parents[1] / "procs"
+
+
+def run(job: str, out: Path, *args: str) -> None:
+    out.mkdir()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",
+           "FFSTATE_JOB_ID": f"fw{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
+           "FFSTATE_BASE_PORT": str(free_ports(2)), "OMP_NUM_THREADS": "1", "TMPDIR": str(out),
+           "PYTHONPATH": os.pathsep.join([str(PROCS.parent), os.environ.get("PYTHONPATH", "")])}
+    got = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "--max-restarts", "2", str(PROCS / f"{job}.py"), str(out), *args], capture_output=True,
+                         text=True, env=env, timeout=500)
+    assert got.returncode == 0, got.stdout[-3000:] + got.stderr[-5000:]
+
+
+@pytest.mark.parametrize("framework, job, kill_step", [("lightning", "lightning_job", 27), ("transformers", "hf_job", 20)])
+def test_a_framework_s_run_with_a_rank_killed_mid_epoch_ends_bit_identical(tmp_path, framework, job, kill_step):
+    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install 'ffstate[test]')")
+    run(job, tmp_path / "reference", "--no-ffstate")
+    run(job, tmp_path / "failing", "--kill-rank", "1", "--kill-step", str(kill_step))
+    assert (tmp_path / "failing" / "killed").exists()
+    for r in (0, 1):
+        assert_bitwise_equal(torch.load(tmp_path / "failing" / f"final-rank{r}.pt", weights_only=False),
+                             torch.load(tmp_path / "reference" / f"final-rank{r}.pt", weights_only=False))
+    events = [json.loads(line) for f in (tmp_path / "failing").glob("ffstate-*/events.jsonl")
+              for line in f.read_text().splitlines()]
+    restored = [e for e in events if e["event"] == "restored"]
+    assert sorted(e["rank"] for e in restored) == [0, 1] and len({e["version"] for e in restored}) == 1, restored
+    assert kill_step - 1 <= restored[0]["version"] <= kill_step and restored[0]["steps_lost"] <= 1, restored
