@@ -101,6 +101,39 @@ def _daemons_cpu(scheduler: str) -> float:
     return total
 
 
+def _count_allreduce() -> list[int]:
+    """Counts the bytes handed to ``dist.all_reduce`` from Python (a communication hook's collectives)."""
+    sent = [0]
+    inner = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return inner(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    return sent
+
+
+def _register_hook(model: DDP, hook: str) -> None:
+    """The training's gradient compression, registered through ffstate (its marks and its state come along)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if hook == "fp16":
+        ffstate.register_comm_hook(model, None, default_hooks.fp16_compress_hook)
+        return
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                        min_compression_rate=1.0, use_error_feedback=True, warm_start=True)
+    ffstate.register_comm_hook(model, state, powerSGD_hook.powerSGD_hook)
+
+
+def _train_bytes(res: dict, sent: list[int], before: int, steps: int, per_step: int) -> None:
+    """The training's all-reduce payload over a phase, this rank's: what its Python collectives sent (a hook's, or
+    gradients all-reduced by hand), and ``per_step`` bytes a step for DDP's own all-reduce (0 under FSDP2, whose
+    collectives are not all-reduces)."""
+    res["train_bytes"] = res.get("train_bytes", 0) + sent[0] - before + per_step * steps
+    res["train_steps"] = res.get("train_steps", 0) + steps
+
+
 def _persisting(daemon: Any, done: Callable[[Any], Any], what: str, timeout: float = 120.0) -> Any:
     """The daemon's persistent tier's report once ``done`` says so (at most ``timeout`` seconds)."""
     deadline = time.monotonic() + timeout
@@ -120,6 +153,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--hook", choices=("none", "fp16", "powersgd"), default="none")
     a = p.parse_args()
     if os.environ.get("FFSTATE_BENCH_CPUS"):  # before gloo's threads start: they inherit it
         from ffstate.bench.overhead import cpu_list
@@ -137,6 +171,12 @@ def main() -> None:
         model = TinyGPT(**SIZES[a.size])
     else:
         model = DDP(TinyGPT(**SIZES[a.size]))
+    sent = _count_allreduce()
+    if a.hook != "none":
+        _register_hook(model, a.hook)
+    # DDP's own all-reduce (C++, not counted by the wrapper): every gradient, every step
+    per_step = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) \
+        if a.hook == "none" and a.parallel in ("ddp", "ddp-zero") else 0
     if a.parallel != "ddp-zero":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -171,6 +211,7 @@ def main() -> None:
         for mode in phase_order(modes, r):
             res = results[mode]
             dist.barrier()
+            sent_before = sent[0]
             if mode in PLAIN:
                 saver = AsyncSaver(model, opt, a.out / f"async-{r}", ckpt_group) if mode == "async-save" else None
                 for i in range(a.steps):
@@ -184,6 +225,7 @@ def main() -> None:
                         res["part_seconds"].append(parts)
                         if saver is not None:
                             res["commit_seconds"].append(time.perf_counter() - trained)
+                _train_bytes(res, sent, sent_before, a.steps, per_step)
                 if saver is not None:
                     res["saved"], res["skipped"] = res.get("saved", 0) + saver.saved, res.get("skipped", 0) + saver.skipped
                     saver.close()
@@ -225,6 +267,7 @@ def main() -> None:
                 if mode == "persist" and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # its node's daemon's counts
                     got = _persisting(ff.daemon, lambda p: not p.pending, "the copies written")
                     res["saved"], res["skipped"] = got.flushed, got.skipped  # since the daemons started
+            _train_bytes(res, sent, sent_before, a.steps, per_step)
             res["wire_bytes"] += after.pushed_bytes - before.pushed_bytes
             res["wire_versions"] += after.pushed_versions - before.pushed_versions
             # The node's daemon's counts: the same for each rank of a node.

@@ -79,7 +79,7 @@ def _schedulers(modes: list[str]) -> list[str]:
 def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str, work: Path,
             link: "netns.Link | None" = None, per_node: int = 2, batch: int = 8, share: float = 0.5,
             nice: int | str = 19, measure_link: bool = False, pin: tuple[str, str] | None = None,
-            persist_nice: int | str = "idle") -> list[dict]:
+            persist_nice: int | str = "idle", hook: str = "none") -> list[dict]:
     """One torchrun job (``per_node`` ranks on each of 2 nodes) running every mode in interleaved phases;
     the daemons of each scheduler policy on their own ports. On loopback the nodes are simulated; on a
     link, each is a namespace."""
@@ -116,7 +116,8 @@ def run_job(parallel: str, modes: list[str], steps: int, repeats: int, size: str
            "FFSTATE_JOB_ID": f"overhead-{parallel}", "FFSTATE_BENCH_PORTS": ",".join(f"{k}:{v}" for k, v in ports.items()),
            "OMP_NUM_THREADS": "1", "TMPDIR": str(work), **({"FFSTATE_BENCH_CPUS": pin[0]} if pin else {})}
     worker = ["-m", "ffstate.bench._overhead_worker", "--out", str(out), "--parallel", parallel, "--modes",
-              ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size, "--batch", str(batch)]
+              ",".join(modes), "--steps", str(steps), "--repeats", str(repeats), "--size", size, "--batch", str(batch),
+              "--hook", hook]
     try:
         if link is None:
             env["FFSTATE_SIMULATED_NODES"] = str(NODES)
@@ -164,6 +165,8 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
         # A step takes as long as its slowest rank: the median over steps of the per-step maximum.
         steps = [max(ts) for ts in zip(*(p["step_seconds"] for p in per_rank))]
         row = {"step_seconds": statistics.median(steps)}
+        if all(p.get("train_steps") for p in per_rank):  # the training's all-reduce payload, per rank and step
+            row["train_bytes_per_step_per_rank"] = statistics.median(p["train_bytes"] / p["train_steps"] for p in per_rank)
         # Where the step's time goes: the forward, backward and optimizer step, each the slowest rank's, median.
         if all(p.get("part_seconds") for p in per_rank):
             row["part_seconds"] = [statistics.median(max(ps[i] for ps in step_parts)
@@ -216,21 +219,22 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
 
 def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: str, links: list[str],
         out_dir: Path, per_node: int = 2, batch: int = 8, share: float = 0.5, nice: int | str = 19,
-        measure_link: bool = False, pin: tuple[str, str] | None = None, persist_nice: int | str = "idle") -> dict:
+        measure_link: bool = False, pin: tuple[str, str] | None = None, persist_nice: int | str = "idle",
+        hook: str = "none") -> dict:
     result = {"benchmark": "overhead", "environment": environment("cpu"),
               "config": {"parallel": parallels, "modes": modes, "steps_per_phase": steps, "repeats": repeats,
                          "size": size, "batch": batch, "link_share": share, "daemon_nice": nice,
                          "persist_nice": persist_nice,
                          "link_bandwidth": "measured" if measure_link else "given", "ranks": NODES * per_node,
                          "pin": ":".join(pin) if pin else None,
-                         "nodes": NODES, "replicas": 1, "links": links},
+                         "nodes": NODES, "replicas": 1, "links": links, "hook": hook},
               "jobs": {}}
     tmp = Path(tempfile.mkdtemp(prefix="ffstate-overhead-"))
     try:
         for where in links:
             for parallel in parallels:
                 opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin,
-                            persist_nice=persist_nice)
+                            persist_nice=persist_nice, hook=hook)
                 if where == "loopback":
                     ranks = run_job(parallel, modes, steps, repeats, size, tmp, None, **opts)
                 else:
@@ -250,11 +254,13 @@ def report(result: dict) -> str:
         full = job.get("razor-off", {}).get("wire_bytes_per_step_per_rank")  # the razor's comparison
         for mode, row in job.items():
             wire = row.get("wire_bytes_per_step_per_rank")
+            train = row.get("train_bytes_per_step_per_rank")
             rows.append([parallel, mode, f"{row['step_seconds'] * 1e3:.0f}",
                          f"{row['step_ratio']:.3f}" if row.get("step_ratio") else "-",
                          f"{row['step_ratio_paired']:.3f}" if row.get("step_ratio_paired") else "-",
                          " / ".join(f"{s * 1e3:.1f}" for s in row["part_seconds"]) if "part_seconds" in row else "-",
                          f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-",
+                         f"{train / 1e6:.3f}" if train else "-",
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
                          f"{row['replicated_bytes_per_rank'] / 1e6:.2f} of {row['state_bytes_per_rank'] / 1e6:.2f}"
@@ -271,9 +277,11 @@ def report(result: dict) -> str:
             f"{cfg.get('link_bandwidth', 'measured')}, daemons at nice {cfg.get('daemon_nice', 0)}"
             f"{', flushing at ' + str(cfg.get('persist_nice', 'idle')) if 'persist' in cfg['modes'] else ''}"
             f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
-            f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; medians")
+            f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; gradient compression: "
+            f"{cfg.get('hook', 'none')}; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired",
-                                             "fwd / bwd / opt ms", "commit ms", "wire MB/step/rank",
+                                             "fwd / bwd / opt ms", "commit ms", "training all-reduce MB/step/rank",
+                                             "replication wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
                                              "daemon CPU ms/step", "daemon CPU ms/MB", "to disk: written / skipped"])])
@@ -339,6 +347,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin", metavar="TRAIN:DAEMONS",
                    help="CPU lists (taskset's syntax) for the training ranks and for the daemons, e.g. 0:1: the daemons "
                         "get cores of their own, as on a GPU node, and what is left is the network's share")
+    p.add_argument("--hook", choices=("none", "fp16", "powersgd"), default="none",
+                   help="the training's gradient compression (a DDP communication hook, through "
+                        "ffstate.register_comm_hook): none, fp16 or powersgd (rank 4); DDP only")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
@@ -364,8 +375,10 @@ def main(args: argparse.Namespace) -> int:
             raise SystemExit(f"--pin takes TRAIN:DAEMONS, two CPU lists such as 0:1 or 0-5:6,7; got {args.pin!r}")
         if shutil.which("taskset") is None:
             raise SystemExit("--pin needs taskset (util-linux) to pin the daemons")
+    if args.hook != "none" and set(parallels) - {"ddp", "ddp-zero"}:
+        raise SystemExit("--hook is a DDP communication hook: --parallel ddp or ddp-zero")
     run(parallels, modes, args.steps, args.repeats, args.size, links, args.out, args.ranks_per_node, args.batch,
-        args.link_share, args.daemon_nice, args.measure_link, pin, args.persist_nice)
+        args.link_share, args.daemon_nice, args.measure_link, pin, args.persist_nice, args.hook)
     return 0
 
 

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from ffstate.config import Config
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
+from ffstate.hooks import register_comm_hook
 
 if TYPE_CHECKING:
     from ffstate.trainer import replicate
 
-__all__ = ["CodecError", "Config", "FFStateError", "ReplicaError", "ReplicaUnavailable", "replicate"]
+__all__ = ["CodecError", "Config", "FFStateError", "ReplicaError", "ReplicaUnavailable", "register_comm_hook",
+           "replicate"]
 __version__ = "0.1.0"
 
 

@@ -10,6 +10,7 @@ kept), DTensor optimizer state rebuilt around the local shards. Also here: the D
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 from typing import Any, Callable
@@ -17,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ffstate import extras, layout
+from ffstate import extras, hooks, layout
 
 log = logging.getLogger("ffstate.capture")
 
@@ -78,6 +79,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
         state["sched"] = lr_scheduler.state_dict()
     if extra is not None:
         state["extra"] = extras.capture(extra)  # Stateful objects by their state_dict()
+    if (hook := hooks.state_of(model)) is not None:  # a DDP communication hook's own state (PowerSGD's)
+        state["comm_hook"] = hook.state_dict()
     return state
 
 
@@ -90,6 +93,8 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
         lr_scheduler.load_state_dict(state["sched"])
     if extra is not None:
         extras.restore(extra, state["extra"])
+    if "comm_hook" in state and (hook := hooks.state_of(model)) is not None:
+        hook.load_state_dict(state["comm_hook"])
     set_rng_state(state["rng"])
 
 
@@ -195,6 +200,8 @@ def shadow_step(ddp: torch.nn.Module, forward: Callable[[], Any]) -> None:
     forward itself, as Lightning does, calls this from its own hook)."""
     rng = rng_state()
     buffers = [b.detach().clone() for b in ddp.buffers()]
+    hook = hooks.state_of(ddp)  # its backward runs the communication hook, whose state must not move
+    kept = copy.deepcopy(hook.state_dict()) if hook is not None else None
     with torch.enable_grad():
         out = forward()
         leaves = [t for t in _tensors(out) if t.requires_grad]
@@ -205,6 +212,8 @@ def shadow_step(ddp: torch.nn.Module, forward: Callable[[], Any]) -> None:
     with torch.no_grad():
         for b, saved in zip(ddp.buffers(), buffers):
             b.copy_(saved)
+    if hook is not None:
+        hook.load_state_dict(kept)
     set_rng_state(rng)
     log.info("ran the shadow DDP step: gradient buckets now have their rebuilt layout")
 

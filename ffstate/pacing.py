@@ -85,8 +85,10 @@ def _comm_marks(model: torch.nn.Module, cfg: Config, rank: int) -> shm.CommMarks
             model.register_comm_hook((made, model.process_group), marks.marked_allreduce)
             marks.mark_ddp_buffer_broadcast(model, made)
             model._ffstate_marks = made
-        except (RuntimeError, ValueError) as e:
-            log.warning("rank %d: no communication marks for the scheduler (%s); it paces by rate only", rank, e)
+        except (RuntimeError, ValueError) as e:  # the loop registered a hook of its own with DDP
+            log.info("rank %d: DDP has a communication hook of the loop's (%s): the scheduler learns the training's "
+                     "collectives from profiled steps; ffstate.register_comm_hook keeps both, and replicates the "
+                     "hook's state", rank, str(e).splitlines()[0][:120])
     elif cfg.scheduler == "windows":  # FSDP2: its all-gathers and reduce-scatters
         if n := marks.mark_fsdp_collectives(model, made):
             model._ffstate_marks = made

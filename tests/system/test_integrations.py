@@ -45,3 +45,18 @@ def test_a_framework_s_run_with_a_rank_killed_mid_epoch_ends_bit_identical(tmp_p
     restored = [e for e in events if e["event"] == "restored"]
     assert sorted(e["rank"] for e in restored) == [0, 1] and len({e["version"] for e in restored}) == 1, restored
     assert kill_step - 1 <= restored[0]["version"] <= kill_step and restored[0]["steps_lost"] <= 1, restored
+
+
+def test_powersgd_registered_through_ffstate_keeps_its_state_and_a_rank_killed_ends_bit_identical(tmp_path):
+    """DDP with PowerSGD (error feedback, warm start) registered by ffstate.register_comm_hook: the hook compresses,
+    ffstate marks its collectives and replicates its state (the error feedback and the low-rank factors, its generator
+    and its iteration); a rank killed after PowerSGD began ends bit-identical to DDP with the hook and no ffstate."""
+    run("hooks_job", tmp_path / "reference", "14", "--no-ffstate")
+    run("hooks_job", tmp_path / "failing", "14", "--kill-rank", "1", "--kill-step", "8")
+    assert (tmp_path / "failing" / "killed").exists()
+    for r in (0, 1):
+        got = torch.load(tmp_path / "failing" / f"final-rank{r}.pt", weights_only=False)
+        assert got["hook"]["iter"] > 4 and got["hook"]["error_dict"], got["hook"]["iter"]  # PowerSGD did run
+        assert_bitwise_equal(got, torch.load(tmp_path / "reference" / f"final-rank{r}.pt", weights_only=False))
+    wire = json.loads((tmp_path / "reference" / "wire.json").read_text())
+    assert wire["after"] < wire["before"] / 4, wire  # the compression happened
