@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test bench demo proto docs clean
+.PHONY: install test bench demo proto docs clean prometheus
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,16 @@ install: $(STAMP)
 # Two workers: the whole-job tests (torchrun, timed in steps) one after another on one, the rest beside them
 # (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) prometheus
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# Debian's Prometheus server, for the dashboard's test (tests/system/test_dashboard.py): installed where it is missing
+# and this runs as root with apt-get (CI); elsewhere that test is skipped, saying why.
+prometheus:
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q prometheus >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q prometheus >/dev/null 2>&1; }; }; } || \
+	  echo "Debian's prometheus is not installed (needs root and apt-get): the dashboard's test will be skipped"
 
 # Regenerates the gRPC stubs in ffstate/_proto/ from proto/ (checked in; a test checks they are current).
 proto: $(STAMP)

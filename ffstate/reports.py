@@ -60,6 +60,7 @@ class WatchReport:
     hangs: int
     straggler_ratio: float
     pid: int
+    commit_seconds: float = 0.0
 
 
 @dataclass

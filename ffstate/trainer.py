@@ -263,6 +263,7 @@ class Replicated:
         """
         if step <= self._last:
             raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase")
+        began = time.perf_counter()
         with layout.gc_paused():  # the state's containers, dropped at the end: no collection over the model's objects
             state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
             state[KEYS[0]] = {KEYS[1]: self._key_map()}  # so that any copy can be resharded (ffstate/elastic/)
@@ -283,6 +284,8 @@ class Replicated:
         if self.holders:
             self.lag.after_commit(step, self._slots, self._slots.wait_timed_out)
         self.shape.after_commit(step, self._slots, self.lag.replicated if self.holders else step)
+        if self._slots is not None:
+            self._slots.set_commit_seconds(time.perf_counter() - began)
 
     def _key_map(self) -> torch.Tensor:
         """The DCP key map of the state (made at the first commit, when the optimizer has its state; again at a new

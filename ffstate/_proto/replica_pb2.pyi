@@ -197,7 +197,7 @@ class ShardInfo(_message.Message):
     def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., watch: _Optional[_Union[WatchInfo, _Mapping]] = ...) -> None: ...
 
 class WatchInfo(_message.Message):
-    __slots__ = ("step_seconds", "compute_seconds", "since_seconds", "deadline_seconds", "paused", "hangs", "straggler_ratio", "pid")
+    __slots__ = ("step_seconds", "compute_seconds", "since_seconds", "deadline_seconds", "paused", "hangs", "straggler_ratio", "pid", "commit_seconds")
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SINCE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class WatchInfo(_message.Message):
     HANGS_FIELD_NUMBER: _ClassVar[int]
     STRAGGLER_RATIO_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     step_seconds: float
     compute_seconds: float
     since_seconds: float
@@ -214,7 +215,8 @@ class WatchInfo(_message.Message):
     hangs: int
     straggler_ratio: float
     pid: int
-    def __init__(self, step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., since_seconds: _Optional[float] = ..., deadline_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., hangs: _Optional[int] = ..., straggler_ratio: _Optional[float] = ..., pid: _Optional[int] = ...) -> None: ...
+    commit_seconds: float
+    def __init__(self, step_seconds: _Optional[float] = ..., compute_seconds: _Optional[float] = ..., since_seconds: _Optional[float] = ..., deadline_seconds: _Optional[float] = ..., paused: _Optional[bool] = ..., hangs: _Optional[int] = ..., straggler_ratio: _Optional[float] = ..., pid: _Optional[int] = ..., commit_seconds: _Optional[float] = ...) -> None: ...
 
 class ProfiledInfo(_message.Message):
     __slots__ = ("steps", "collectives", "period_seconds", "busy_seconds")

@@ -66,6 +66,8 @@ class ReportCollector(Collector):
                                   labels=shard)
         deadline = GaugeMetricFamily("ffstate_hang_deadline_seconds", "A local rank is declared hung past this",
                                      labels=shard)
+        commit = GaugeMetricFamily("ffstate_commit_seconds", "How long a local rank's newest commit held its training "
+                                   "loop", labels=shard)
         straggler = GaugeMetricFamily("ffstate_straggler_ratio",
                                       "A local rank's compute a step over the median of its node's other ranks",
                                       labels=shard)
@@ -78,6 +80,7 @@ class ReportCollector(Collector):
                 since.add_metric(labels, s.watch.since_seconds)
                 deadline.add_metric(labels, s.watch.deadline_seconds)
                 straggler.add_metric(labels, s.watch.straggler_ratio)
+                commit.add_metric(labels, s.watch.commit_seconds)
             if not s.local:
                 held.add_metric(labels, s.bytes)
                 version.add_metric(labels, s.version)
@@ -100,7 +103,7 @@ class ReportCollector(Collector):
                 replicated.add_metric(labels, s.razor.shard_bytes)
                 verified.add_metric(labels, s.razor.verifications)
                 mismatched.add_metric(labels, s.razor.mismatches)
-        yield from (hangs, step, compute, since, deadline, straggler)
+        yield from (hangs, step, compute, since, deadline, straggler, commit)
         yield from (sent, versions, lag, ratio, queue, state, replicated, verified, mismatched, restores,
                     restore_seconds, restore_version, restore_lost, resized)
 

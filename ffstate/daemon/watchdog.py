@@ -170,7 +170,7 @@ class Watchdog:
                 paused = worker.paused_until > now
                 deadline = self._deadline(w)
                 w.report = WatchReport(_median(w.steps), _median(w.computes), 0.0 if paused else since, deadline,
-                                       paused, self.hangs[key], 0.0, w.pid)
+                                       paused, self.hangs[key], 0.0, w.pid, worker.commit_seconds)
                 if not paused and not w.acted and self.cfg.hang_action != "off" and alive(w.pid):
                     silent[key.job_id].append((key, since, deadline))
             self._stragglers(now)

@@ -108,6 +108,8 @@ class Header(ctypes.LittleEndianStructure):
         ("drained_version", _u64),
         # Worker, slot 0: its commits since it attached (the watchdog's warm-up counts commits, not its looks).
         ("commit_count", _u64),
+        # Worker, slot 0: how long its newest commit held the training loop, seconds (the metrics' commit time).
+        ("commit_seconds", _f64),
     ]
 
 

@@ -19,6 +19,7 @@ class WorkerRecord:
     alive: float  # wall-clock seconds of its last sign of life other than a commit
     paused_until: float  # wall-clock seconds; 0: not paused
     stacks_path: str
+    commit_seconds: float = 0.0  # how long its newest commit held the training loop
 
 
 class WorkerFields:
@@ -34,7 +35,7 @@ class WorkerFields:
         h = self.headers[0]
         n = min(h.stacks_len, STACKS_PATH_MAX)
         return WorkerRecord(h.worker_pid, h.alive_ns / 1e9, h.paused_until_ns / 1e9,
-                            bytes(h.stacks_path[:n]).decode(errors="replace"))
+                            bytes(h.stacks_path[:n]).decode(errors="replace"), h.commit_seconds)
 
     _held_since: int = 0  # worker side: time.time_ns() when the current hold began
     held_pending: int = 0  # worker side: ns held since the last commit, written with the next one (``publish``)
@@ -56,6 +57,10 @@ class WorkerFields:
         h.alive_ns = time.time_ns()
         h.commit_count = 0
         h.worker_pid = pid
+
+    def set_commit_seconds(self, seconds: float) -> None:
+        """How long the worker's newest commit held its training loop (the daemon's metrics report it)."""
+        self.headers[0].commit_seconds = seconds
 
     def commit_count(self) -> int:
         """The worker's commits since it attached (``set_worker``)."""
