@@ -42,6 +42,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
+from ffstate.pacing import _comm_marks
 from ffstate.bench._report import phase_order
 from ffstate.bench.codec import SIZES
 from ffstate.demo.worker import allreduce_gradients
@@ -126,11 +127,11 @@ def _register_hook(model: DDP, hook: str) -> None:
     ffstate.register_comm_hook(model, state, powerSGD_hook.powerSGD_hook)
 
 
-def _train_bytes(res: dict, sent: list[int], before: int, steps: int, per_step: int) -> None:
-    """The training's all-reduce payload over a phase, this rank's: what its Python collectives sent (a hook's, or
-    gradients all-reduced by hand), and ``per_step`` bytes a step for DDP's own all-reduce (0 under FSDP2, whose
-    collectives are not all-reduces)."""
-    res["train_bytes"] = res.get("train_bytes", 0) + sent[0] - before + per_step * steps
+def _train_bytes(res: dict, sent: int, steps: int) -> None:
+    """The training's all-reduce payload over a phase's timed steps, this rank's: what its collectives sent from
+    Python (DDP's gradients through ffstate's marking hook or the loop's compression hook, or all-reduced by hand;
+    FSDP2's collectives are not all-reduces)."""
+    res["train_bytes"] = res.get("train_bytes", 0) + sent
     res["train_steps"] = res.get("train_steps", 0) + steps
 
 
@@ -174,9 +175,8 @@ def main() -> None:
     sent = _count_allreduce()
     if a.hook != "none":
         _register_hook(model, a.hook)
-    # DDP's own all-reduce (C++, not counted by the wrapper): every gradient, every step
-    per_step = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) \
-        if a.hook == "none" and a.parallel in ("ddp", "ddp-zero") else 0
+    elif isinstance(model, DDP):  # ffstate's marking hook (DDP's own arithmetic) from the start: every phase alike
+        _comm_marks(model, ffstate.Config(), rank)
     if a.parallel != "ddp-zero":
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -211,10 +211,12 @@ def main() -> None:
         for mode in phase_order(modes, r):
             res = results[mode]
             dist.barrier()
-            sent_before = sent[0]
+            sent_before = [sent[0]]  # at the first timed step: the training's bytes over the timed steps
             if mode in PLAIN:
                 saver = AsyncSaver(model, opt, a.out / f"async-{r}", ckpt_group) if mode == "async-save" else None
                 for i in range(a.steps):
+                    if i == FIRST_TIMED:
+                        sent_before[0] = sent[0]
                     start = time.perf_counter()
                     parts = train_step()
                     trained = time.perf_counter()
@@ -225,7 +227,7 @@ def main() -> None:
                         res["part_seconds"].append(parts)
                         if saver is not None:
                             res["commit_seconds"].append(time.perf_counter() - trained)
-                _train_bytes(res, sent, sent_before, a.steps, per_step)
+                _train_bytes(res, sent[0] - sent_before[0], a.steps - FIRST_TIMED)
                 if saver is not None:
                     res["saved"], res["skipped"] = res.get("saved", 0) + saver.saved, res.get("skipped", 0) + saver.skipped
                     saver.close()
@@ -242,6 +244,8 @@ def main() -> None:
                     _persisting(ff.daemon, lambda p: p.flusher_pid, "the flushing process ready")
                     dist.barrier()
                 for i in range(a.steps):
+                    if i == FIRST_TIMED:
+                        sent_before[0] = sent[0]
                     if i == FIRST_TIMED and rank == 0:
                         cpu = -_daemons_cpu(scheduler)
                     start = time.perf_counter()
@@ -267,7 +271,7 @@ def main() -> None:
                 if mode == "persist" and int(os.environ.get("LOCAL_RANK", 0)) == 0:  # its node's daemon's counts
                     got = _persisting(ff.daemon, lambda p: not p.pending, "the copies written")
                     res["saved"], res["skipped"] = got.flushed, got.skipped  # since the daemons started
-            _train_bytes(res, sent, sent_before, a.steps, per_step)
+            _train_bytes(res, sent[0] - sent_before[0], a.steps - FIRST_TIMED)
             res["wire_bytes"] += after.pushed_bytes - before.pushed_bytes
             res["wire_versions"] += after.pushed_versions - before.pushed_versions
             # The node's daemon's counts: the same for each rank of a node.
