@@ -23,13 +23,13 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
-import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ffstate  # noqa: E402
+from ffstate.testing.faults import die_once  # noqa: E402
 from ffstate.testing.models import TinyGPT  # noqa: E402
 
 
@@ -57,12 +57,7 @@ def main() -> None:
             f.write(json.dumps({**record, "time": at or time.time()}) + "\n")
 
     def die(marker: str) -> None:
-        try:
-            os.close(os.open(a.out / marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        note({"kill": process})
-        os.kill(os.getpid(), signal.SIGKILL)
+        die_once(a.out / marker, lambda: note({"kill": process}))
 
     iteration = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     note({"process": process, "event": "started", "iteration": iteration}, STARTED)

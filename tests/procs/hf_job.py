@@ -8,8 +8,6 @@ it). At the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer'
 """
 
 import argparse
-import os
-import signal
 from pathlib import Path
 
 import torch
@@ -17,6 +15,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from ffstate.integrations import hf
+from ffstate.testing.faults import die_once
 
 
 class Data(torch.utils.data.Dataset):
@@ -36,11 +35,7 @@ class Kill(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if dist.get_rank() == self.rank and state.global_step + 1 == self.step:
-            try:
-                os.close(os.open(self.out / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_once(self.out / "killed")
 
 
 def main() -> None:

@@ -11,8 +11,6 @@ bytes the hook sent per step, against DDP's plain all-reduce).
 
 import argparse
 import json
-import os
-import signal
 from pathlib import Path
 
 import torch
@@ -21,6 +19,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersg
 
 import ffstate
 from ffstate.hooks import PowerSGDState
+from ffstate.testing.faults import die_once
 from ffstate.testing.models import TinyGPT
 
 
@@ -63,11 +62,7 @@ def main() -> None:
                 step()
                 ff.commit(s + 1)
                 if rank == a.kill_rank and s + 1 == a.kill_step:
-                    try:
-                        os.close(os.open(a.out / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    except FileExistsError:
-                        pass
+                    die_once(a.out / "killed")
     torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(),
                 "hook": PowerSGDState(state).state_dict()}, a.out / f"final-rank{rank}.pt")
     if rank == 0:

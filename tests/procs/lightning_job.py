@@ -10,8 +10,6 @@ writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' stat
 """
 
 import argparse
-import os
-import signal
 from pathlib import Path
 
 import lightning as L
@@ -19,6 +17,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from ffstate.integrations.lightning import ReplicationCallback
+from ffstate.testing.faults import die_once
 
 
 class Net(L.LightningModule):
@@ -53,11 +52,7 @@ class Kill(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            try:
-                os.close(os.open(self.out / "killed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-            os.kill(os.getpid(), signal.SIGKILL)
+            die_once(self.out / "killed")
 
 
 def main() -> None:

@@ -1,0 +1,20 @@
+"""Failures the tests and benchmarks inject from inside a worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Callable
+
+
+def die_once(marker: Path, before: Callable[[], None] | None = None) -> None:
+    """SIGKILLs this process, once per ``marker`` (a file made exclusively first: torchrun's restart of the worker,
+    or another process of the job, passes here again and goes on); ``before()`` runs just before the kill."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    if before is not None:
+        before()
+    os.kill(os.getpid(), signal.SIGKILL)
