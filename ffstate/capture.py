@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ffstate import extras, hooks, layout
+from ffstate.errors import FFStateError
 
 log = logging.getLogger("ffstate.capture")
 
@@ -109,6 +110,34 @@ def load_model(model: torch.nn.Module, saved: dict) -> None:
     with torch.no_grad():
         for k, t in live.items():
             (t.to_local() if _is_dtensor(t) else t).copy_(saved[k])
+
+
+def check_restorable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a commit would capture but a restore could not put back, refused at entry.
+
+    Raises:
+        FFStateError: the optimizer's state is not a ``torch.optim.Optimizer``'s (``state``, ``param_groups``: a
+            container of several optimizers); or, for a model of DTensors (restored in place, tensor by tensor),
+            ``state_dict()`` gives entries that are not its parameters or buffers (a hook that makes new tensors).
+    """
+    state = optimizer_state(optimizer)
+    if not (isinstance(state, dict) and ({"state", "param_groups"} <= set(state) or {"shard", "groups"} == set(state))):
+        found = sorted(map(str, state))[:5] if isinstance(state, dict) else type(state).__name__
+        raise FFStateError(f"the optimizer's state_dict() has {found}, not a torch.optim.Optimizer's 'state' and "
+                           f"'param_groups' ({type(optimizer).__name__}: a container of optimizers?); ffstate restores "
+                           "an optimizer by its load_state_dict and could not restore this one. Give it the optimizer, "
+                           "or a view that chains the container's optimizers (docs/torchtitan.md)")
+    live = model.state_dict(keep_vars=True)
+    if not any(_is_dtensor(v) for v in live.values()):
+        return  # restored by the module's own load_state_dict, its hooks included
+    own = {(t.to_local() if _is_dtensor(t) else t).data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    copies = [k for k, v in live.items() if isinstance(v, torch.Tensor) and v.numel()
+              and (v.to_local() if _is_dtensor(v) else v).data_ptr() not in own]
+    if copies:
+        raise FFStateError(f"model.state_dict() gives {len(copies)} entries that are not the model's parameters or "
+                           f"buffers (e.g. {copies[:3]}: a state_dict hook makes new tensors, as fused attention weights "
+                           "split for checkpoints do); ffstate restores a sharded model in place and could not restore "
+                           "them. Give it a module whose state_dict() holds the parameters themselves (docs/torchtitan.md)")
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict:

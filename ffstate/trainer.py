@@ -116,7 +116,9 @@ class Replicated:
 
     def _check_state(self, groups: razor.Groups | None) -> None:
         """What can be known before training starts, refused now: an extra whose ``state_dict()`` fails, a value
-        the codec cannot hold, a razor declaration that names nothing; each error names the entry's path."""
+        the codec cannot hold, a razor declaration that names nothing, state a restore could not put back; each error
+        names the entry's path."""
+        capture.check_restorable(self.model, self.optimizer)
         state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)
         layout.describe(state)
         if groups is not None and self.cfg.razor_identical and (lost := razor.unmatched(state, groups.prefixes)):

@@ -41,7 +41,27 @@ def test_wrong_state_is_refused_at_entry_before_a_daemon_starts(extra, error, me
     assert not list((Path(tempfile.gettempdir()) / f"ffstate-{job}").glob("daemon-*"))  # none was started
 
 
-def test_a_razor_declaration_that_names_nothing_is_refused_at_entry(tmp_path):
+class Chained:
+    """Two optimizers behind one, as torchtitan's container keeps them: a state_dict ffstate could not restore."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+        self.param_groups = [g for o in opts for g in o.param_groups]
+
+    def state_dict(self):
+        return {f"opt{i}": o.state_dict() for i, o in enumerate(self.opts)}
+
+
+def test_an_optimizer_whose_state_a_restore_could_not_load_is_refused_at_entry():
+    cfg = ffstate.Config(job_id=f"e{uuid.uuid4().hex[:6]}", token="t", base_port=free_ports(1))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    opt = Chained(torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1))
+    with pytest.raises(ffstate.FFStateError, match=r"has \['opt0', 'opt1'\], not a torch.optim.Optimizer's"):
+        with ffstate.replicate(model, opt, config=cfg):
+            pytest.fail("entered")
+
+
+def test_a_razor_declaration_that_names_nothing_and_a_state_dict_of_copies_are_refused_at_entry(tmp_path):
     env = {**os.environ, "FFSTATE_JOB_ID": f"r{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": "t", "OMP_NUM_THREADS": "1",
            "FFSTATE_BASE_PORT": str(free_ports(1)), "TMPDIR": str(tmp_path)}
     script = Path(__file__).resolve().parents[1] / "procs" / "entry.py"
@@ -49,6 +69,7 @@ def test_a_razor_declaration_that_names_nothing_is_refused_at_entry(tmp_path):
                            str(script)], capture_output=True, text=True, env=env, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("refused at entry: Config.razor_identical names ['optim/stat']") == 2, proc.stdout
+    assert proc.stdout.count("entries that are not the model's parameters or buffers (e.g. ['weight']") == 2, proc.stdout
     assert "entered" not in proc.stdout
 
 
