@@ -36,12 +36,11 @@ from ffstate.lag import LagWatch
 from ffstate.pacing import PacingSignals
 from ffstate.persist import keys as persist_keys
 from ffstate.razor_verify import RazorVerifier
-from ffstate.reports import NO_FLUSHER, NodeReport, Stats
+from ffstate.reports import NodeReport, Stats
 
 log = logging.getLogger("ffstate.trainer")
 
 SLOT_WAIT = 2.0  # seconds a block-policy commit waits for the daemon to read the slot it overwrites
-FLUSHER_WAIT = 60.0  # seconds a node's first rank waits, at entry, for its daemon's flushing process to be ready
 
 
 def replicate(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any = None,
@@ -96,7 +95,7 @@ class Replicated:
         groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
         self._check_state(groups)
         self.daemon = launch.node_daemon(job)
-        self._check_persist()
+        launch.check_persist(job, self.daemon)
         holder_nodes = placement.holder_nodes(job.topology.node, job.topology.num_nodes, self.cfg.replicas)
         self.holders = job.daemon_addresses(holder_nodes)
         launch.check_holders(job, holder_nodes, self.holders)
@@ -126,37 +125,6 @@ class Replicated:
                                f"are under {sorted({p.split('/')[0] for p in state})} (e.g. model, optim/state)")
         if self.extra is not None:
             extras.warn_pitfalls(self.extra, self.rank)
-
-    def _check_persist(self) -> None:
-        """Says so when this worker reads the persistent tier from one place and its node's daemon, started by hand
-        (``ffstate serve``), flushes to another or nowhere: the versions it would resume from never get written.
-        Otherwise waits (at most ``FLUSHER_WAIT`` seconds, once) for the daemon's flushing process to be ready, so
-        that the persistent tier holds versions from the job's first steps on: a daemon started with the job starts
-        it then, and it imports torch and DCP (seconds of CPU)."""
-        if not self.cfg.persist_dir or not self.topology.first_on_node:
-            return
-        got = self.daemon.inventory(self.job.job)
-        flushed = got.persist.dir if got.HasField("persist") else ""
-        if os.path.realpath(flushed or "/nonexistent") != os.path.realpath(self.cfg.persist_dir):
-            log.warning("rank %d: Config.persist_dir is %s but node %s's daemon flushes %s: versions of this node's "
-                        "ranks will not be in the persistent tier; start it with --persist-dir %s (or let the workers "
-                        "start it)", self.rank, self.cfg.persist_dir, self.topology.node_id,
-                        f"to {flushed}" if flushed else "nowhere (no --persist-dir)", self.cfg.persist_dir)
-            return
-        start = time.monotonic()
-        while not got.persist.flusher_pid and NO_FLUSHER not in got.persist.error \
-                and time.monotonic() - start < FLUSHER_WAIT:
-            time.sleep(0.1)
-            got = self.daemon.inventory(self.job.job)
-        waited = time.monotonic() - start
-        if not got.persist.flusher_pid:
-            log.warning("rank %d: node %s's daemon cannot flush to the persistent tier yet (%s): this node's versions "
-                        "are not persisted until it can", self.rank, self.topology.node_id,
-                        got.persist.error if NO_FLUSHER in got.persist.error
-                        else f"its flushing process is not ready after {waited:.0f}s")
-        elif waited > 1:
-            log.info("rank %d: waited %.1fs for node %s's daemon's flushing process", self.rank, waited,
-                     self.topology.node_id)
 
     def _resize_restore(self, old: int, disk: Any) -> Any:
         """A restore from copies made at another world size (``ffstate/elastic/``; imported here, at a resize:

@@ -21,8 +21,10 @@ from ffstate.client import Client
 from ffstate.config import Config, DaemonConfig, parse_bytes, priority
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.job import Job
+from ffstate.reports import NO_FLUSHER
 
 log = logging.getLogger("ffstate.launch")
+FLUSHER_WAIT = 60.0  # seconds a node's first rank waits, at entry, for its daemon's flushing process to be ready
 
 
 def node_daemon(job: Job, lost: str | None = None) -> Client:
@@ -156,6 +158,38 @@ def _ours(job: Job, address: str) -> bool:
         return True
     except ReplicaError:
         return False
+
+
+def check_persist(job: Job, daemon: Client) -> None:
+    """Says so when this worker reads the persistent tier from one place and its node's daemon, started by hand
+    (``ffstate serve``), flushes to another or nowhere: the versions it would resume from never get written.
+    Otherwise waits (at most ``FLUSHER_WAIT`` seconds, once) for the daemon's flushing process to be ready, so
+    that the persistent tier holds versions from the job's first steps on: a daemon started with the job starts
+    it then, and it imports torch and DCP (seconds of CPU)."""
+    if not job.cfg.persist_dir or not job.topology.first_on_node:
+        return
+    got = daemon.inventory(job.job)
+    flushed = got.persist.dir if got.HasField("persist") else ""
+    if os.path.realpath(flushed or "/nonexistent") != os.path.realpath(job.cfg.persist_dir):
+        log.warning("rank %d: Config.persist_dir is %s but node %s's daemon flushes %s: versions of this node's "
+                    "ranks will not be in the persistent tier; start it with --persist-dir %s (or let the workers "
+                    "start it)", job.rank, job.cfg.persist_dir, job.topology.node_id,
+                    f"to {flushed}" if flushed else "nowhere (no --persist-dir)", job.cfg.persist_dir)
+        return
+    start = time.monotonic()
+    while not got.persist.flusher_pid and NO_FLUSHER not in got.persist.error \
+            and time.monotonic() - start < FLUSHER_WAIT:
+        time.sleep(0.1)
+        got = daemon.inventory(job.job)
+    waited = time.monotonic() - start
+    if not got.persist.flusher_pid:
+        log.warning("rank %d: node %s's daemon cannot flush to the persistent tier yet (%s): this node's versions "
+                    "are not persisted until it can", job.rank, job.topology.node_id,
+                    got.persist.error if NO_FLUSHER in got.persist.error
+                    else f"its flushing process is not ready after {waited:.0f}s")
+    elif waited > 1:
+        log.info("rank %d: waited %.1fs for node %s's daemon's flushing process", job.rank, waited,
+                 job.topology.node_id)
 
 
 def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
