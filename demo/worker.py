@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
 import ffstate.job
+import ffstate.persist
 from ffstate import capture
 from ffstate.testing.models import TinyGPT
 
@@ -79,6 +80,10 @@ def main() -> None:
     p.add_argument("--kill-node-step", type=int, default=0)
     p.add_argument("--kill-job-steps", default="", help="comma-separated steps after which the whole job is lost "
                    "(every daemon and every rank SIGKILLed), each once; relaunch it as on new machines")
+    p.add_argument("--kill-job-persisted", type=int, default=0,
+                   help="before each whole-job kill, wait (at most 120 s) until the persistent tier holds this many "
+                        "complete versions newer than the step the run started from: what the kill is to find, "
+                        "whatever the machine's load let the flushing process write by then")
     p.add_argument("--chaos", type=Path, help="a JSON schedule of failures (demo/faults.py; ffstate bench chaos)")
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
     p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2", "manual"), default="ddp-zero",
@@ -181,7 +186,7 @@ def main() -> None:
                 if step + 1 == a.kill_node_step and a.kill_node >= 0:
                     _maybe_kill_node(a, rank, per_node, step + 1)
                 if str(step + 1) in a.kill_job_steps.split(","):
-                    _maybe_kill_job(a.out, rank, world // per_node, step + 1)
+                    _maybe_kill_job(a.out, rank, world // per_node, step + 1, a.kill_job_persisted, ff.start_step)
                 if step + 1 == a.status_step and rank == 0:
                     _status(a.out / "status.txt", world // per_node)
     final = {"params": dict(capture.local(model.state_dict())), "optim": capture.local(capture.optimizer_state(opt)),
@@ -209,20 +214,33 @@ def _maybe_kill_node(a: argparse.Namespace, rank: int, per_node: int, step: int)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _maybe_kill_job(out: Path, rank: int, nodes: int, step: int) -> None:
-    """Once per step: every rank has committed ``step``; then every node's daemon and every rank go (SIGKILL)."""
+def _maybe_kill_job(out: Path, rank: int, nodes: int, step: int, persisted: int, start: int) -> None:
+    """Once per step: every rank has committed ``step`` (and, with ``persisted``, the persistent tier holds that many
+    complete versions newer than ``start``); then every node's daemon and every rank go (SIGKILL)."""
     marker = out / f"killed-job-{step}"
     due = not marker.exists()
     dist.barrier()
     if not due:
         return
     if rank == 0:
+        if persisted:
+            _wait_persisted(persisted, start)
         marker.touch()
         _note(out, {"failure": "job", "after_step": step, "time": time.time()})
         for node in range(nodes):
             kill_daemon(node)
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _wait_persisted(count: int, start: int, timeout: float = 120.0) -> None:
+    cfg = ffstate.Config.from_env()
+    job_dir = Path(cfg.persist_dir) / ffstate.job.job_id(cfg)
+    deadline = time.monotonic() + timeout
+    while len([v for v in ffstate.persist.complete_versions(job_dir) if v > start]) < count:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the persistent tier wrote fewer than {count} versions after {start} in {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def _status(path: Path, nodes: int) -> None:
