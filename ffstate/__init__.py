@@ -1,17 +1,17 @@
 """ffstate: bit-exact, in-memory peer replication of PyTorch training state.
 
 The public names live here; everything else is importable by its module path (``ffstate.codec``...).
-``replicate`` is loaded on first use: the daemon and the command line import the package without the training
-side (torch.distributed, DCP), which costs a process a second or more to import.
+``replicate`` and ``register_comm_hook`` are loaded on first use: the daemon and the command line import the package
+without torch and the training side (torch.distributed, DCP), which cost a process a second or more to import.
 """
 
 from typing import TYPE_CHECKING, Any
 
 from ffstate.config import Config
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.hooks import register_comm_hook
 
 if TYPE_CHECKING:
+    from ffstate.hooks import register_comm_hook
     from ffstate.trainer import replicate
 
 __all__ = ["CodecError", "Config", "FFStateError", "ReplicaError", "ReplicaUnavailable", "register_comm_hook",
@@ -24,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from ffstate.trainer import replicate
 
         return replicate
+    if name == "register_comm_hook":
+        from ffstate.hooks import register_comm_hook
+
+        return register_comm_hook
     raise AttributeError(f"module 'ffstate' has no attribute {name!r}")
