@@ -4,7 +4,7 @@ worker after a failure) or in the mode where survivors stay in their processes (
 ``ffstate.inprocess.restartable``, launched as every process of the job, spares included).
 
     python -m ffstate.bench._downtime_worker OUT STEPS --mode torchrun|inprocess [--kill PROCESS:STEP ...]
-        [--kill-after-restore PROCESS] [--step-seconds S]
+        [--kill-after-restore PROCESS] [--step-seconds S] [--dump-steps S,...]
 
 ``--kill P:S``: process P (its RANK at launch; under torchrun the rank) SIGKILLs itself right after committing step
 S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself right after its first restore in a
@@ -12,7 +12,9 @@ restarted entry, before its first step (two failures in a row). ``--step-seconds
 least this long (a job whose steps are not all Python on 2 cores). Every process appends to OUT/progress.jsonl:
 ``{"kill": P}`` before it dies; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process
 began, its process group is up, ffstate restored it); ``{"process", "rank", "step", "iteration"}`` at every commit;
-each with its wall ``time``. At the end each rank writes OUT/final-rank<R>.pt.
+each with its wall ``time``. At the end each rank writes OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first
+entry writes its state at those steps (OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was
+restored to (OUT/restored-it<I>-rank<R>.pt): what a shrink's restore is checked against.
 """
 
 import time
@@ -23,8 +25,10 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -41,16 +45,24 @@ def main() -> None:
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--kill-after-restore", type=int, default=-1)
     p.add_argument("--step-seconds", type=float, default=0.0)
+    p.add_argument("--dump-steps", default="")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     kills = {(int(k.split(":")[0]), int(k.split(":")[1])) for k in a.kill}  # (process, step)
     process = int(os.environ["RANK"])
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every stream alike on every rank: a shrink (Config.min_nodes) takes them over (docs/elastic.md)
+    random.seed(0)
+    np.random.seed(0)
     model = TinyGPT()  # built once, before the engine: a spare is warm (torch imported, model built)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=a.steps)
     data = {"offset": 0}
+    dumps = {int(x) for x in a.dump_steps.split(",") if x}
+
+    def dump(path: Path) -> None:
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": sched.state_dict(),
+                    "data": dict(data)}, path)
 
     def note(record: dict, at: float | None = None) -> None:
         with open(a.out / "progress.jsonl", "a") as f:
@@ -72,6 +84,8 @@ def main() -> None:
 
         with ffstate.replicate(ddp, optimizer, lr_scheduler=sched, extra=data) as ff:
             note({"process": process, "event": "restored", "iteration": iteration, "version": ff.start_step})
+            if dumps and iteration:
+                dump(a.out / f"restored-it{iteration}-rank{rank}.pt")
             if iteration and process == a.kill_after_restore:
                 die("killed-after-restore")
             for step in range(ff.start_step, a.steps):
@@ -87,10 +101,11 @@ def main() -> None:
                 time.sleep(max(0.0, a.step_seconds - (time.perf_counter() - began)))
                 ff.commit(step + 1)
                 note({"process": process, "rank": rank, "step": step + 1, "iteration": iteration})
+                if step + 1 in dumps and not iteration:
+                    dump(a.out / f"step{step + 1}-rank{rank}.pt")
                 if (process, step + 1) in kills:
                     die(f"killed-{process}-{step + 1}")
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": sched.state_dict(),
-                    "data": data}, a.out / f"final-rank{rank}.pt")
+        dump(a.out / f"final-rank{rank}.pt")
         return rank
 
     if a.mode == "torchrun":

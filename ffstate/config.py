@@ -124,6 +124,10 @@ class Config:
         spare_nodes: whole nodes of spare processes launched after the training's nodes (``ffstate.inprocess``): a
             node that lost more ranks than it has spares (a node lost) moves to one of them, restored from the
             replicas.
+        min_nodes: the fewest training nodes an ``ffstate.inprocess`` job may shrink to: a node that lost a rank
+            with no spare left for it and no spare node free leaves the job, and the rest go on at the smaller
+            world size from the copies (the resize of docs/elastic.md), like ``torchrun --nnodes MIN:MAX``. 0: never
+            shrink; the job stops saying why (``NoSpareLeft``).
     """
 
     chunk_bytes: int = 1 << 20
@@ -168,6 +172,7 @@ class Config:
     drain_hold: float = 300.0
     spares: int = 1
     spare_nodes: int = 0
+    min_nodes: int = 0
 
     def __post_init__(self) -> None:
         check_hang(self)
@@ -192,8 +197,9 @@ class Config:
             raise ValueError(f"profile_steps must be >= 0, got {self.profile_steps}")
         if self.razor_verify_every < 1:
             raise ValueError(f"razor_verify_every must be >= 1, got {self.razor_verify_every}")
-        if self.spares < 0 or self.spare_nodes < 0:
-            raise ValueError(f"spares and spare_nodes must be >= 0, got {self.spares}, {self.spare_nodes}")
+        if self.spares < 0 or self.spare_nodes < 0 or self.min_nodes < 0:
+            raise ValueError(f"spares, spare_nodes and min_nodes must be >= 0, got {self.spares}, {self.spare_nodes}, "
+                             f"{self.min_nodes}")
         if self.replicas < 0 or self.max_lag < 1 or self.simulated_nodes < 0:
             raise ValueError(f"replicas >= 0, max_lag >= 1, simulated_nodes >= 0; got {self.replicas}, "
                              f"{self.max_lag}, {self.simulated_nodes}")

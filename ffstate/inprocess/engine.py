@@ -4,7 +4,9 @@ works (``abort.py``), stores outside every rank (``store.py``), and a fresh proc
 each time the function is entered. The extension detects a dead rank (its monitor processes), raises into every
 surviving rank's training thread, runs the abort, and calls the function again in the same process; spares wait
 inside it until they are given a rank. ffstate's restore at entry does the rest: every rank resumes at v*, the
-survivors and a same-node spare from their node's slots, a spare node from the replicas.
+survivors and a same-node spare from their node's slots, a spare node from the replicas. With no spare left for a
+node and ``Config.min_nodes`` set, the node leaves and the others go on at the smaller world size: the entry's
+restore is then the resize of ``ffstate/elastic/`` (every rank's copy of v*, resharded as DCP would).
 """
 
 from __future__ import annotations
@@ -77,11 +79,16 @@ class NodeSpares(RankAssignment):
         if me in lost:
             raise RankDiscarded(f"process {me} was reported lost")
         if lost:
+            world = a.world
             a.lose(lost)  # NoSpareLeft: every process stops, saying so
+            if a.world < world and me == a.alive[0]:
+                log.warning("processes %s lost with no spare left for their node(s): the job goes on at world size "
+                            "%d (was %d) on machines %s, resized from the copies", sorted(lost), a.world, world,
+                            a.node_machine)
         rank = a.rank_of(me)
         ctx.state = dataclasses.replace(state, rank=a.alive.index(me), world_size=len(a.alive),
                                         mode=Mode.ACTIVE if rank is not None else Mode.INACTIVE, active_rank=rank,
-                                        active_world_size=a.layout.world)
+                                        active_world_size=a.world)
         ctx.terminated_ranks = set()
         return ctx
 
@@ -97,14 +104,16 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
     ``SLURM_PROCID`` and ``SLURM_NTASKS``), ``MASTER_ADDR`` and ``MASTER_PORT`` set, by a launcher that does not stop
     the others when one dies (Slurm's ``srun``, or one process each started by hand): torchrun's agent does. Spares
     and spare nodes: ``Config.spares`` and ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or
-    ``Config.simulated_nodes`` on one machine.
+    ``Config.simulated_nodes`` on one machine; with ``Config.min_nodes``, a node with no spare left leaves the job and
+    the others go on at the smaller world size (``Attempt.world`` says it; the loop's data must follow it).
 
     Returns:
         The function's return value on a training rank; None on a process that stayed a spare.
 
     Raises:
         FFStateError: the launch does not match the layout (a variable missing, processes that do not divide).
-        assignment.NoSpareLeft: a node lost a rank with no spare left for it and no spare node free.
+        assignment.NoSpareLeft: a node lost a rank with no spare left for it, no spare node free, and the job may not
+            shrink (``Config.min_nodes``).
     """
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
@@ -128,7 +137,7 @@ def layout_of(cfg: Config, processes: int) -> Layout:
         machines = int(os.environ.get("SLURM_NNODES") or os.environ.get("NNODES") or 1 + cfg.spare_nodes)
         nodes = machines - cfg.spare_nodes
     try:
-        return Layout.of(processes, nodes, cfg.spares, cfg.spare_nodes)
+        return Layout.of(processes, nodes, cfg.spares, cfg.spare_nodes, cfg.min_nodes)
     except ValueError as e:
         raise FFStateError(f"ffstate.inprocess: {e} (WORLD_SIZE counts every process launched, spares included; "
                            "Config.spares per node, Config.spare_nodes, and the nodes from SLURM_NNODES, NNODES or "
@@ -178,6 +187,8 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
         rank, world, it = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), call_wrapper.iteration
         os.environ.update(FFSTATE_ATTEMPT=str(it), LOCAL_WORLD_SIZE=str(per), GROUP_RANK=str(rank // per),
                           LOCAL_RANK=str(rank % per))
+        if cfg.simulated_nodes:  # after a shrink, fewer nodes than launched (ffstate.replicate reads it)
+            os.environ["FFSTATE_SIMULATED_NODES"] = str(world // per)
         start = time.perf_counter()
         before = open_sockets()
         dist.init_process_group(backend, store=dist.PrefixStore(f"ffstate-attempt-{it}", app_store), rank=rank,

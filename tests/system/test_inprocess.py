@@ -33,15 +33,15 @@ LAYOUT = dict(FFSTATE_SIMULATED_NODES="2", FFSTATE_SPARES="1", FFSTATE_SPARE_NOD
 PROCESSES = 9
 
 
-def launch(out: Path, kills: list[str], after_restore: int = -1, layout: dict = LAYOUT,
-           processes: int = PROCESSES) -> tuple[list[subprocess.Popen], dict]:
+def launch(out: Path, kills: list[str], after_restore: int = -1, layout: dict = LAYOUT, processes: int = PROCESSES,
+           steps: int = STEPS, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], dict]:
     """Every process of the job, as a launcher such as srun starts them."""
     port = free_ports(4)
     env = {**os.environ, **layout, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
            "OMP_NUM_THREADS": "1", "FFSTATE_JOB_ID": f"ip{uuid.uuid4().hex[:8]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
            "FFSTATE_BASE_PORT": str(free_ports(2)), "TMPDIR": str(out), "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    args = [sys.executable, "-m", "ffstate.bench._downtime_worker", str(out), str(STEPS), "--mode", "inprocess",
-            *[a for k in kills for a in ("--kill", k)], "--kill-after-restore", str(after_restore)]
+    args = [sys.executable, "-m", "ffstate.bench._downtime_worker", str(out), str(steps), "--mode", "inprocess",
+            *[a for k in kills for a in ("--kill", k)], "--kill-after-restore", str(after_restore), *extra]
     procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=open(out / f"p{r}.log", "w"),
                               stderr=subprocess.STDOUT) for r in range(processes)]
     return procs, env
@@ -77,8 +77,8 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store 127.0.0.1 {env['MASTER_PORT']} "], check=False)
 
 
-def finals(out: Path) -> list[dict]:
-    return [torch.load(out / f"final-rank{r}.pt", weights_only=False) for r in range(4)]
+def finals(out: Path, world: int = 4) -> list[dict]:
+    return [torch.load(out / f"final-rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +134,30 @@ def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_
         assert max(e["steps_lost"] for e in these) <= (0 if attempt < 3 else Config().max_lag), these
     assert sorted(e["rank"] for e in restored if e["attempt"] == 4) == [0, 1, 2, 3]
     assert [k["kill"] for k in rows if "kill" in k] == [1, 4]  # the others were killed from outside
+
+
+def test_no_spare_left_the_node_leaves_and_the_others_go_on_at_the_smaller_world_size(tmp_path):
+    """2 nodes of 2 ranks, no spare, Config.min_nodes 1: rank 1 dies; node 0 has no spare and there is no spare node,
+    so node 0 leaves. Node 1's processes go on as ranks 0 and 1 of a 2-rank job, in their processes, restored by the
+    resize from the copies (node 0's slots, the replicas) to exactly the state of v*; node 0's survivor waits, idle,
+    to the end. (Simulated nodes take their daemons by node number: the new node 0 uses the daemon of the node 0
+    that left, alive here; on real nodes each uses its machine's own.)"""
+    out, steps = tmp_path, 14
+    layout = {**LAYOUT, "FFSTATE_SPARES": "0", "FFSTATE_SPARE_NODES": "0", "FFSTATE_MIN_NODES": "1"}
+    procs, env = launch(out, ["1:6"], layout=layout, processes=4, steps=steps, extra=("--dump-steps", "5,6"))
+    codes = finish(procs, out, env)
+    assert codes == [0, -9, 0, 0], (codes, (out / "p2.log").read_text()[-3000:])
+    events = [json.loads(line) for line in (out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "events.jsonl").read_text()
+              .splitlines()]
+    shrunk = [e for e in events if e["event"] == "restored" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in shrunk) == [0, 1] and {e.get("from_world") for e in shrunk} == {4}, shrunk
+    v = {e["version"] for e in shrunk}
+    assert len(v) == 1 and 6 - Config().max_lag <= min(v), shrunk  # one v*, within the lag (replicas of ranks 2, 3)
+    at_v = torch.load(out / f"step{v.pop()}-rank0.pt", weights_only=False)  # DDP + AdamW: every old rank alike
+    for r in (0, 1):
+        assert_bitwise_equal(torch.load(out / f"restored-it1-rank{r}.pt", weights_only=False), at_v)
+    rows = progress(out)
+    last = {r["rank"]: r["process"] for r in rows if r.get("step") == steps}
+    assert last == {0: 2, 1: 3}, last  # node 1's processes, renumbered, finished the job in the processes they began in
+    assert not any(r.get("process") == 0 and r.get("iteration", 0) >= 1 and "step" in r for r in rows)
+    assert len(finals(out, 2)) == 2 and not (out / "final-rank2.pt").exists()

@@ -12,8 +12,8 @@ def check(a: Assignment) -> None:
     """Every rank held by a live process of the machine its node runs on; no process holds two ranks; no machine
     runs two nodes."""
     per, live = a.layout.per_node, set(a.alive)
-    assert len(set(a.holder)) == len(a.holder) == a.layout.world
-    assert len(set(a.node_machine)) == len(a.node_machine) == a.layout.nodes
+    assert len(set(a.holder)) == len(a.holder) == a.world == len(a.node_machine) * per
+    assert len(set(a.node_machine)) == len(a.node_machine) >= max(1, a.layout.min_nodes)
     for rank, p in enumerate(a.holder):
         assert p in live and a.machine(p) == a.node_machine[rank // per], (rank, p, a)
 
@@ -37,12 +37,24 @@ def test_a_node_without_its_spare_moves_and_its_survivors_become_spares():
     check(a)
 
 
+def test_no_spare_left_the_node_leaves_when_the_job_may_shrink():
+    a = Assignment.start(Layout(nodes=3, per_node=2, min_nodes=2))
+    with pytest.raises(NoSpareLeft, match="may not shrink"):
+        Assignment.start(Layout(nodes=2, per_node=2)).lose({1})
+    a.lose({3})  # node 1 leaves; node 2's ranks are 2 and 3 from now on; process 2 idles
+    assert a.holder == [0, 1, 4, 5] and a.node_machine == [0, 2] and a.world == 4 and a.rank_of(2) is None
+    check(a)
+    with pytest.raises(NoSpareLeft, match="below 2 node"):
+        a.lose({0})
+
+
 @settings(max_examples=300, deadline=None)
 @given(nodes=st.integers(1, 3), per=st.integers(1, 3), spares=st.integers(0, 2), spare_nodes=st.integers(0, 2),
        data=st.data())
 def test_any_sequence_of_failures_keeps_ranks_on_their_nodes_until_no_spare_is_left(nodes, per, spares, spare_nodes,
                                                                                    data):
-    a = Assignment.start(Layout(nodes, per, spares, spare_nodes))
+    min_nodes = data.draw(st.integers(0, nodes))
+    a = Assignment.start(Layout(nodes, per, spares, spare_nodes, min_nodes))
     check(a)
     for _ in range(data.draw(st.integers(1, 6))):
         if not a.alive:
@@ -61,9 +73,20 @@ def test_any_sequence_of_failures_keeps_ranks_on_their_nodes_until_no_spare_is_l
             short = [n for n, m in enumerate(before.node_machine)
                      if (dead := sum(1 for r in range(n * per, (n + 1) * per) if before.holder[r] in lost))
                      and sum(1 for p in live - busy if before.machine(p) == m) < dead]
-            assert short and len(free) < len(short), (before, lost)
+            leaving = len(short) - len(free)
+            assert short and leaving > 0, (before, lost)
+            assert not min_nodes or len(before.node_machine) - leaving < min_nodes, (before, lost)  # may not shrink
             return
         check(a)
+        if len(a.node_machine) < len(before.node_machine):  # a shrink: the nodes that stayed kept their processes
+            for new, m in enumerate(a.node_machine):
+                if m not in before.node_machine:
+                    continue  # a node that moved to a spare machine
+                old = before.node_machine.index(m)
+                for j in range(per):
+                    if (p := before.holder[old * per + j]) not in lost:
+                        assert a.holder[new * per + j] == p
+            continue
         for rank, p in enumerate(before.holder):  # a rank whose process lives, and whose node stayed, keeps it
             if p not in lost and before.node_machine[rank // per] == a.node_machine[rank // per]:
                 assert a.holder[rank] == p
