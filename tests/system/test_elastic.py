@@ -1,16 +1,15 @@
-"""Jobs that change shape, under real torchrun on one machine (simulated nodes), for DDP, DDP + ZeRO and FSDP2:
+"""Jobs that change shape, under real torchrun on one machine (simulated nodes), for FSDP2 and DDP:
 
-    4 ranks, node 1 SIGKILLed (its ranks and its daemon) -> 2 ranks (shrink 4 -> 2, from node 0's slots and the
-    replicas it held of node 1's ranks) -> every rank SIGKILLed -> 4 ranks (grow 2 -> 4, from node 0's slots) ->
-    every rank SIGKILLed -> 3 ranks (shrink 4 -> 3, on node 0 alone).
+- FSDP2: 4 ranks, node 1 SIGKILLed (its ranks and its daemon) -> 3 ranks on node 0 (shrink, from node 0's slots and
+  the replicas it held of node 1's ranks; uneven shards) -> every rank SIGKILLed -> 4 ranks (grow 3 -> 4).
+- DDP: node 1 lost -> a per-rank extra without a hook is refused by name and loses nothing (the next launch resumes
+  from the same copies) -> 2 ranks; the persistent tier's versions follow the job's shape; the whole job lost after
+  the resize grows back (2 -> 3) from the persisted versions alone.
 
 At every resize each new rank compares every tensor of what ffstate restored, bit for bit, with what DCP's own
 reader loads at the new world size from the job's consolidated copy of v* (tests/procs/elastic.py), and the data
-position (an ElasticSampler) goes on from the same global sample. ZeRO and FSDP2 take that whole sequence. DDP
-takes its shrink and a test of its own: a per-rank extra without a hook is refused by name and loses nothing (the
-next launch resumes from the same copies); the persistent tier's versions follow the job's shape; and the whole
-job lost after the resize grows back (2 -> 3) from the persisted versions alone. The two-node run under
-`torchrun --nnodes 1:2` and the drain are in test_elastic_torchrun.py.
+position (an ElasticSampler) goes on from the same global sample. DDP with a ZeRO-sharded optimizer is resized
+(4 -> 2 -> 4, and a drain) across two network namespaces under `torchrun --nnodes 1:2` in test_elastic_torchrun.py.
 """
 
 import json
@@ -79,45 +78,32 @@ def resized(job: Job, world: int, old: int, lost_at_most: int) -> dict:
     return got[0]
 
 
-def sequence(job: Job, before_shrink=None, uneven: bool = True) -> list[dict]:
-    """4 -> (node lost) 2 -> 4 (-> 3 with ``uneven``), each resize checked; returns the resizes' verdicts."""
+def test_fsdp2_shrinks_to_an_uneven_size_and_grows_back_restoring_what_dcp_loads(tmp_path):
+    """FSDP2: 4 -> (node lost) 3 (every DTensor re-sliced, uneven shards; node 1's ranks from their replicas) -> 4
+    (grow from the 3 ranks' copies on node 0, uneven too)."""
     from ffstate import Config
 
-    job.run(4, 2, 6, "--kill-node-after", "4", ok=False)
-    if before_shrink is not None:
-        before_shrink()
-    job.run(2, 1, 8, "--kill-all-after", "8", ok=False)
-    shrink = resized(job, 2, 4, Config().max_lag)  # node 1's ranks from their replicas: within the lag
-    job.run(4, 2, 11, "--kill-all-after", "11", ok=False)
-    grow = resized(job, 4, 2, 0)  # all from node 0's slots
-    assert grow["v"] == 8
-    with Client(f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}", job.env["FFSTATE_TOKEN"]) as node0:
-        shapes = {s.shard.world_size for s in node0.inventory(job.job).shards}
-    assert shapes == {4}, shapes  # the 2-rank copies went once every 4-rank one had a replicated version
-    if not uneven:
-        return [shrink, grow]
-    job.run(3, 1, 13)
-    shrink3 = resized(job, 3, 4, Config().max_lag)
-    return [shrink, grow, shrink3]
-
-
-@pytest.mark.parametrize("parallel", ["ddp-zero", "fsdp2"])
-def test_shrink_grow_and_shrink_again_restore_what_dcp_loads_at_the_new_size(tmp_path, parallel):
-    """ZeRO: its partition re-made at 2 and at 4 ranks; FSDP2 also at 3 (uneven shards); plain DDP grows to 3 in the
-    test below."""
-    job = Job(tmp_path, parallel)
+    job = Job(tmp_path, "fsdp2")
     try:
-        steps = sequence(job, uneven=parallel == "fsdp2")
+        job.run(4, 2, 6, "--kill-node-after", "4", ok=False)
+        job.run(3, 1, 8, "--kill-all-after", "8", ok=False)
+        shrink = resized(job, 3, 4, Config().max_lag)  # node 1's ranks from their replicas: within the lag
+        job.run(4, 2, 11, "--kill-all-after", "11", ok=False)
+        grow = resized(job, 4, 3, 0)  # all from node 0's slots
+        assert grow["v"] == 8
+        with Client(f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}", job.env["FFSTATE_TOKEN"]) as node0:
+            shapes = {s.shard.world_size for s in node0.inventory(job.job).shards}
+        assert shapes == {4}, shapes  # the 3-rank copies went once every 4-rank one had a replicated version
     finally:
         job.stop_daemons()
-    print(parallel, [(s["from_world"], s["world"], s["v"], s["lost"], s["tensors"]) for s in steps])
+    print("fsdp2", [(s["from_world"], s["world"], s["v"], s["lost"], s["tensors"]) for s in (shrink, grow)])
 
 
 def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_grow_from_it_after_the_whole_job_lost(
         tmp_path):
     """DDP (the razor's parts put back together): 4 -> (node lost) a refused relaunch -> 2 ranks, the persisted
     versions in the new shape, then the whole job lost and grown back to 3 ranks from the persisted versions alone
-    (ZeRO and FSDP2 take the whole shrink, grow, shrink sequence above)."""
+    (FSDP2 above; ZeRO in test_elastic_torchrun.py)."""
     from ffstate import Config
 
     store = tmp_path / "persist"

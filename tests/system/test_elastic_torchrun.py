@@ -1,6 +1,6 @@
 """Elastic torchrun across two real nodes: network namespaces joined by a veth link, one `torchrun --nnodes 1:2`
 agent per node (c10d rendezvous, each node its own temporary folder as on its own machine; nothing ffstate-specific
-set), DDP with ffstate.replicate (tests/procs/elastic.py).
+set), DDP with a ZeRO-sharded AdamW under ffstate.replicate (tests/procs/elastic.py).
 
 1. Node 1 is lost for good after a few steps (its agent, workers and daemon SIGKILLed): torchrun re-forms the job
    on node 0 at 2 ranks, which resume from node 0's slots and the replicas it held of node 1's ranks.
@@ -59,7 +59,7 @@ class ElasticJob:
                 "--rdzv-id", self.job, "--rdzv-conf",
                 f"is_host={int(node == 0)},last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3",
                 "--local-addr", self.link.addresses[node], "--max-restarts", "5", str(ROOT / "tests/procs/elastic.py"),
-                "--out", str(self.out), "--parallel", "ddp", "--steps", str(STEPS), "--check", "--step-sleep", "0.15"]
+                "--out", str(self.out), "--parallel", "ddp-zero", "--steps", str(STEPS), "--check", "--step-sleep", "0.15"]
         env = {**self.env, "GLOO_SOCKET_IFNAME": self.link.devices[node], "TMPDIR": str(self.node_tmp(node))}
         log = open(self.tmp / f"agent{node}-{len(self.agents)}.log", "w")
         proc = subprocess.Popen(self.link.cmd(node, args), env=env, stdout=log, stderr=subprocess.STDOUT)
