@@ -110,12 +110,19 @@ def record(name: str, text: str) -> str:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> int:
-    """The first of ``n`` consecutive ports that are free now (daemons of simulated nodes take one each)."""
+    """The first of ``n`` consecutive ports that are free now (daemons of simulated nodes take one each), below the
+    kernel's range for outgoing connections: a port from that range can be taken by any process's connect between
+    this probe and the bind it is for."""
     import random
     import socket
 
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    top = max(low, 11000) - n - 1
     for _ in range(100):
-        base = random.randint(20000, 60000)
+        base = random.randint(10000, top)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:
