@@ -130,8 +130,12 @@ def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_
         assert len({e["version"] for e in these}) == 1, these  # one v* (I3)
         # 1, 2: a rank died after its commit; its node's slots hold it, and the others cannot pass the next step's
         # all-reduce without it: nothing lost. 3: an idle spare died; the engine stops every rank wherever it is, one
-        # maybe between its optimizer's step and its commit: that step is redone. 4: a node lost, from its replicas.
-        assert max(e["steps_lost"] for e in these) <= (0 if attempt < 3 else Config().max_lag), these
+        # maybe between its optimizer's step and its commit: that step is redone. 4: a node lost, from its replicas,
+        # killed from outside at any point of a step: its ranks' replicas are within the lag of their last commit,
+        # and the survivors may have committed one step more (the node died between that step's all-reduce and its
+        # commits), as after attempt 3.
+        lost = {1: 0, 2: 0, 3: 1, 4: Config().max_lag + 1}[attempt]
+        assert max(e["steps_lost"] for e in these) <= lost, these
     assert sorted(e["rank"] for e in restored if e["attempt"] == 4) == [0, 1, 2, 3]
     assert [k["kill"] for k in rows if "kill" in k] == [1, 4]  # the others were killed from outside
 
