@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--kill-job-steps", default="", help="comma-separated steps after which the whole job is lost "
                    "(every daemon and every rank SIGKILLed), each once; relaunch it as on new machines")
     p.add_argument("--kill-job-persisted", type=int, default=0,
-                   help="before each whole-job kill, wait (at most 120 s) until the persistent tier holds this many "
+                   help="before each whole-job kill, wait (at most 45 s) until the persistent tier holds this many "
                         "complete versions newer than the step the run started from: what the kill is to find, "
                         "whatever the machine's load let the flushing process write by then")
     p.add_argument("--chaos", type=Path, help="a JSON schedule of failures (demo/faults.py; ffstate bench chaos)")
@@ -233,7 +233,8 @@ def _maybe_kill_job(out: Path, rank: int, nodes: int, step: int, persisted: int,
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _wait_persisted(count: int, start: int, timeout: float = 120.0) -> None:
+def _wait_persisted(count: int, start: int, timeout: float = 45.0) -> None:
+    """Bounded below the watchdog's floor (60 s): every rank waits in a barrier meanwhile, committing nothing."""
     cfg = ffstate.Config.from_env()
     job_dir = Path(cfg.persist_dir) / ffstate.job.job_id(cfg)
     deadline = time.monotonic() + timeout

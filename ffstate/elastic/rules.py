@@ -92,6 +92,10 @@ def resolve(states: dict[int, Any], new_rank: int, new_world: int, resize_rng: s
                        "(FFSTATE_RESIZE_RNG=keep) to keep each new process's own streams, as a DCP resume does")
     if extra is not None:
         rest.extra = _extra(extra, [s.get("extra") for s in olds], "extra", old_world, new_rank, new_world, refused)
+    if any("comm_hook" in s for s in olds):
+        refused.append("comm_hook: a DDP communication hook's state (PowerSGD's error feedback and factors) is each "
+                       "rank's own, for its gradients at the old world size; restart at the old size, or register "
+                       "the hook anew (its state starts over) without ffstate.register_comm_hook")
     if refused:
         raise FFStateError(f"cannot resume at world size {new_world} from copies made at {old_world}: "
                            + "; ".join(refused) + ". The copies are untouched: restart at world size "

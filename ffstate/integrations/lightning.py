@@ -158,8 +158,14 @@ class ReplicationCallback(Callback):
         if self._shadow and self.ff is not None and self.ff.restored is not None:
             self._shadow = False
             ddp = trainer.strategy.model
-            if isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                capture.shadow_step(ddp, lambda: trainer.strategy.training_step(batch, batch_idx))
+            if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                return
+            if not pl_module.automatic_optimization:  # its training_step steps the optimizers itself
+                log.warning("rank %d: manual optimization: no shadow step after the restore (the training_step would "
+                            "step the optimizers); DDP's first step reduces its gradients in another bucket order, so "
+                            "the run is not bit-exact from here (docs/lightning.md)", trainer.global_rank)
+                return
+            capture.shadow_step(ddp, lambda: trainer.strategy.training_step(batch, batch_idx))
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step

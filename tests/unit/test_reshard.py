@@ -128,6 +128,11 @@ def test_rules_pass_the_job_s_values_call_hooks_and_refuse_the_rest_by_name():
     for name in ("extra/pos: a plain value that differs", "extra/p (PerRank) holds per-rank state",
                  "rng/python: per-rank RNG streams", "The copies are untouched: restart at world size 2"):
         assert name in text, text
+    hooked_states = olds([{"step": 7}, {"step": 7}])  # a DDP communication hook's state is each rank's own
+    for st in hooked_states.values():
+        st["comm_hook"] = {"kind": "powersgd"}
+    with pytest.raises(FFStateError, match="comm_hook: a DDP communication hook's state"):
+        rules.resolve(hooked_states, 0, 3, "refuse", None, {"step": 0})
 
 
 def test_resize_rng_keep_restores_the_streams_that_agree_and_keeps_the_others():
