@@ -1,11 +1,14 @@
 """The far ends of the bandwidth benchmark's baselines, run as separate processes.
 
     python -m ffstate.bench._peers tcp-server PORT NBYTES REPEATS
+    python -m ffstate.bench._peers tcp-source HOST PORT NBYTES
     python -m ffstate.bench._peers gloo RANK PORT NBYTES REPEATS
 
 ``tcp-server`` receives NBYTES REPEATS times into one buffer and acknowledges each with a byte.
-``gloo`` is one of two ranks: rank 0 sends a uint8 tensor of NBYTES to rank 1 REPEATS times (after
-a warm-up), each followed by a 1-byte reply, and prints the seconds of each transfer as JSON.
+``tcp-source`` listens on HOST and answers each byte its one client sends with NBYTES (the direction of a
+restore: from the holder), until the client closes. ``gloo`` is one of two ranks: rank 0 sends a uint8 tensor
+of NBYTES to rank 1 REPEATS times (after a warm-up), each followed by a 1-byte reply, and prints the seconds of
+each transfer as JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +35,17 @@ def tcp_server(port: int, nbytes: int, repeats: int) -> None:
                         return
                     got += n
                 conn.sendall(b"k")
+
+
+def tcp_source(host: str, port: int, nbytes: int) -> None:
+    data = memoryview(bytes(nbytes))
+    with socket.create_server((host, port)) as srv:
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while conn.recv(1):
+                conn.sendall(data)
 
 
 def gloo(rank: int, port: int, nbytes: int, repeats: int) -> None:
@@ -62,6 +76,8 @@ if __name__ == "__main__":
     what, *args = sys.argv[1:]
     if what == "tcp-server":
         tcp_server(*map(int, args))
+    elif what == "tcp-source":
+        tcp_source(args[0], int(args[1]), int(args[2]))
     elif what == "gloo":
         gloo(*map(int, args))
     else:

@@ -65,6 +65,33 @@ def raw_tcp(nbytes: int, repeats: int) -> list[float]:
         peer.wait(30)
 
 
+class RawPull:
+    """``nbytes`` pulled over a raw TCP socket from a peer on ``host`` (run under ``prefix``, e.g. ``ip netns exec
+    NS``): the ceiling of a restore's transfer on that link. Call it for one transfer; close it when done."""
+
+    def __init__(self, nbytes: int, host: str = "127.0.0.1", prefix: Sequence[str] = ()):
+        port = free_ports(1)
+        self._peer = subprocess.Popen([*prefix, sys.executable, "-m", "ffstate.bench._peers", "tcp-source", host,
+                                       str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
+        self._peer.stdout.readline()
+        self._sock = socket.create_connection((host, port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._view = memoryview(bytearray(nbytes))
+
+    def __call__(self) -> None:
+        self._sock.sendall(b"g")
+        got, n = 0, len(self._view)
+        while got < n:
+            k = self._sock.recv_into(self._view[got:], n - got)
+            if not k:
+                raise ConnectionError("the raw TCP peer closed early")
+            got += k
+
+    def close(self) -> None:
+        self._sock.close()
+        self._peer.wait(30)
+
+
 def gloo(nbytes: int, repeats: int) -> list[float]:
     port = free_ports(1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

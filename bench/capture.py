@@ -10,7 +10,8 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
 - **local restore** (the node survived): from the node's slots into the live model and optimizer,
   checksum verified, next to a clone of the state (memory-copy speed);
 - **remote restore** (the node is new): fetched from the holder over gRPC, decoded and verified,
-  into the live model and optimizer, next to the gRPC fetch alone (the transport).
+  into the live model and optimizer, next to the gRPC fetch alone (the transport), and next to the
+  state's bytes pulled from the holder's side over a raw TCP socket (what the link itself gives).
 
 With ``--link RATE`` (e.g. ``1gbit``; needs root) the remote holder is another node: it runs in
 a second network namespace behind a ``tc``-shaped veth link, and the transport is that link.
@@ -35,7 +36,7 @@ import ffstate
 from ffstate import capture, recovery
 from ffstate.bench import netns
 from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
-from ffstate.bench.bandwidth import start_daemon
+from ffstate.bench.bandwidth import RawPull, start_daemon
 from ffstate.bench.codec import SIZES
 from ffstate.client import Client, fetch_striped
 from ffstate.testing.models import TinyGPT
@@ -94,7 +95,9 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
     port = int(node_addr.rsplit(":", 1)[1])
     cfg = ffstate.Config(job_id=JOB, token=token, base_port=port, start_daemon=False, simulated_nodes=0)
     old_env = {k: os.environ.pop(k, None) for k in ("WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+    raw = None
     try:
+        raw = RawPull(nbytes, host=holder_host or "127.0.0.1", prefix=["ip", "netns", "exec", holder_ns] if holder_ns else [])
         with ffstate.replicate(model, opt, sched, extra=extra, config=cfg) as ff, \
                 Client(node_addr, token, timeout=60) as node_client, Client(holder_addr, token, timeout=60) as remote:
             step = iter(range(1, 1 << 30))
@@ -115,6 +118,7 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                 "local restore": lambda: restore(local, {}),
                 "remote restore": lambda: restore(None, {holder_addr: remote}),
                 "gRPC fetch alone": lambda: fetch_striped([remote], JOB, 0, 1, version),
+                "raw TCP": raw,
                 "clone": clone,
             }, repeats)
             remote.drop(JOB)
@@ -122,6 +126,8 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
         for k, v in old_env.items():
             if v is not None:
                 os.environ[k] = v
+        if raw is not None:
+            raw.close()
         for proc in (node, holder):
             proc.terminate()
             proc.wait(30)
@@ -132,12 +138,14 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                    "link": link},
         "seconds": {"commit": commit["ffstate commit"], "warm_copy": commit["warm copy"],
                     "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
-                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"]},
+                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"],
+                    "raw_tcp": restore_t["raw TCP"]},
     }
     s = result["seconds"]
     result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
-                        "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"]}
+                        "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"],
+                        "remote_restore_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore"]}
     return publish(out_dir, "capture" if link == "loopback" else f"capture-{link}", result, report, plot)
 
 
@@ -152,8 +160,10 @@ def report(result: dict) -> str:
         ["local restore", f"{s['local_restore'] * 1e3:.1f}", gbps(s["local_restore"]),
          f"{r['local_restore_over_clone']:.2f}x clone"],
         ["remote restore", f"{s['remote_restore'] * 1e3:.1f}", gbps(s["remote_restore"]),
-         f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed"],
+         f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed, "
+         f"{r['remote_restore_share_of_raw_tcp']:.2f}x raw TCP's"],
         ["gRPC fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), "the transport"],
+        ["raw TCP", f"{s['raw_tcp'] * 1e3:.1f}", gbps(s["raw_tcp"]), "the link's ceiling"],
     ]
     where = "on loopback" if cfg.get("link", "loopback") == "loopback" else f"across a {cfg['link']} link"
     head = (f"TinyGPT-{cfg['size']} + AdamW: {cfg['state_bytes'] / 1e6:.1f} MB in {cfg['tensors']} tensors, "
@@ -166,8 +176,8 @@ def plot(result: dict, path: Path) -> Path | None:
     if plt is None:
         return None
     s = result["seconds"]
-    names = ["commit", "warm_copy", "clone", "local_restore", "remote_restore", "fetch"]
-    colors = ["tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey"]
+    names = ["commit", "warm_copy", "clone", "local_restore", "remote_restore", "fetch", "raw_tcp"]
+    colors = ["tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "grey"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.barh([n.replace("_", " ") for n in names][::-1], [s[n] * 1e3 for n in names][::-1], color=colors[::-1])
     ax.set_xlabel("milliseconds (median)")

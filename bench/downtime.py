@@ -15,7 +15,8 @@ warm spares beside its 2 ranks. Per failure, from the processes' own marks (``pr
 - **first step**: from the restore to the first commit after it.
 
 Medians over the failures; both jobs must end with the same state, bit for bit (every rank's final state compared;
-a difference fails the benchmark, its logs kept). Prints a table; writes ``bench/results/downtime.json``, a PNG and a dated record.
+a difference fails the benchmark, its logs kept). Prints a table; writes ``bench/results/downtime.json``, a PNG and
+a dated record.
 
 Usage: ``ffstate bench downtime [--failures 5] [--gap 8] [--step-seconds 0]``.
 """
