@@ -90,7 +90,7 @@ class Client:
         for name, m in wire.METHODS.items():
             make = getattr(self._channel, m.kind)
             self._rpc[name] = make(wire.path(name), (lambda b: b) if m.raw_request else m.request.SerializeToString,
-                                   m.response.FromString)
+                                   (lambda b: b) if m.raw_response else m.response.FromString)
         self._attach, self._lookup, self._notify = self._rpc["Attach"], self._rpc["Lookup"], self._rpc["NotifyCommit"]
         self._push, self._commit, self._fetch = self._rpc["Push"], self._rpc["Commit"], self._rpc["Fetch"]
         self._inventory, self._step_back, self._drop = self._rpc["Inventory"], self._rpc["StepBack"], self._rpc["Drop"]
@@ -196,19 +196,22 @@ class Client:
         return pb.CommitResult(version=got.committed_version, checksum=got.checksum)
 
     def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1,
-                     sink: Callable[[int, Chunk], None] | None = None) -> list[tuple[int, Chunk]]:
-        """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon.
+                     sink: Callable[[int, Chunk], None] | None = None, chunks: Sequence[int] = ()
+                     ) -> list[tuple[int, Chunk]]:
+        """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon, or, with
+        ``chunks`` (ascending indices), for the entries first, first+step, ... of that list.
 
         With ``sink``, each (version, chunk) goes to ``sink`` as it arrives instead (the list is
         empty); a retried stream may pass some chunks twice.
         """
         req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
-                              chunk_step=step)
+                              chunk_step=step, chunks=chunks)
 
         def run() -> list[tuple[int, Chunk]]:
             got = []
-            for m in self._fetch(req, **self._kw(self.timeout * 10)):
-                item = (m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, memoryview(m.payload)))
+            for raw in self._fetch(req, **self._kw(self.timeout * 10)):
+                m, payload = wire.parse_with_payload(raw, pb.FetchChunk, 5)  # the payload not copied again
+                item = (m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, payload))
                 if sink is None:
                     got.append(item)
                 else:
@@ -253,8 +256,9 @@ def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size:
 
 
 def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int,
-                   sink: Callable[[Chunk], None]) -> None:
-    """Streams one version from several holders in parallel, chunk i from holder i mod k, into ``sink``.
+                   sink: Callable[[Chunk], None], chunks: Sequence[int] = ()) -> None:
+    """Streams one version from several holders in parallel, chunk i from holder i mod k, into ``sink``; with
+    ``chunks`` (ascending indices), only those, the i-th of the list from holder i mod k.
 
     ``sink`` gets each chunk as it arrives, from one thread per holder (``codec.Decoder.add``
     decodes while the rest is on the wire). Full encodings of one version are deterministic, so the
@@ -271,7 +275,7 @@ def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size
         for j in range(k):
             try:
                 clients[(i + j) % k].fetch_chunks(job_id, rank, world_size, version, first=i, step=k,
-                                                  sink=lambda _, c: sink(c))
+                                                  sink=lambda _, c: sink(c), chunks=chunks)
                 return
             except ReplicaError as e:
                 last = e

@@ -179,6 +179,12 @@ def split(state: Any, plan: Plan, rank: int) -> dict:
     return {"own": own, "razor": {"plan": plan.to_json(), "part": part}}
 
 
+def in_part(name: str) -> bool:
+    """Whether a tensor of a committed shard (a manifest name) is of its part of the redundant bytes: all that a
+    group member's restore needs of another member's shard (``recovery`` fetches just those)."""
+    return name.startswith("razor/part/")
+
+
 def own(shard: Any) -> Any:
     """A committed shard's own entries (the shard itself without the razor)."""
     return shard["own"] if plan_of(shard) is not None else shard

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ffstate import codec, layout, persist, placement, razor, shm
 from ffstate._proto import replica_pb2 as pb
@@ -176,17 +176,19 @@ def fetch(job: str, rank: int, world: int, version: int, mine: Available, local:
 
 
 def fetch_ranks(job: str, world: int, version: int, available: dict[int, Available],
-                lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client]
-                ) -> dict[int, tuple[Any, str, int]]:
-    """Each rank's shard at ``version`` as (state, source, bytes), fetched in parallel."""
+                lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client],
+                parts_only: Collection[int] = ()) -> dict[int, tuple[Any, str, int]]:
+    """Each rank's shard at ``version`` as (state, source, bytes), fetched in parallel; of the ranks in
+    ``parts_only``, only the razor's part when it comes from a holder (``razor.in_part``: a group member's
+    own state is not this rank's to load)."""
     with ThreadPoolExecutor(max(1, min(8, len(available)))) as pool:
-        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons)
+        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons, r in parts_only)
                    for r, a in available.items()}
         return {r: f.result() for r, f in futures.items()}
 
 
 def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
-               holders: dict[str, Client]) -> tuple[Any, str, int]:
+               holders: dict[str, Client], part: bool = False) -> tuple[Any, str, int]:
     if local is not None and version in local.committed_versions:
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
@@ -206,10 +208,15 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     if sources:
         # Decodes each chunk as it arrives, while the rest is on the wire; a header asking for more memory than
         # the holders said the shard takes is refused before anything is allocated.
-        decoder = codec.Decoder(max_nbytes=mine.nbytes or None)
+        decoder = codec.Decoder(max_nbytes=mine.nbytes or None, want=razor.in_part if part else None)
+        clients = [holders[a] for a in sources]
         try:
-            stream_striped([holders[a] for a in sources], job, rank, world, version, decoder.add)
-            return decoder.state(), ",".join(sources), int(decoder.header["nbytes"])
+            if part:  # the header says which segments hold the part: those alone come next
+                stream_striped(clients, job, rank, world, version, decoder.add, chunks=[0])
+                stream_striped(clients, job, rank, world, version, decoder.add, chunks=decoder.needed or [0])
+            else:
+                stream_striped(clients, job, rank, world, version, decoder.add)
+            return decoder.state(), ",".join(sources), decoder.part_nbytes
         except (ReplicaError, CodecError) as e:
             if version not in mine.disk:
                 raise ReplicaUnavailable(f"rank {rank}: fetching version {version} from {sources} failed: {e}") from e
@@ -290,7 +297,7 @@ def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, A
     """Fetches version ``v`` of this rank's shard (and its razor group's parts), assembles it and loads it."""
     me = job.rank
     start = time.perf_counter()
-    shards = fetch_ranks(job.job, job.world, v, available, lookups, daemons)  # in parallel
+    shards = fetch_ranks(job.job, job.world, v, available, lookups, daemons, parts_only=set(needed) - {me})
     mine = shards[me]
     plan = razor.plan_of(mine[0])
     parts: dict[int, str] = {}

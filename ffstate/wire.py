@@ -8,9 +8,10 @@ import dataclasses
 import typing
 from typing import Any, NamedTuple
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from ffstate._proto import replica_pb2 as pb
+from ffstate.errors import CodecError
 
 SERVICE = "ffstate.v1.Replica"
 TOKEN_KEY = "ffstate-token"  # metadata of every call
@@ -56,6 +57,66 @@ def with_payload(prefix: bytes, field: int, payload: memoryview | bytes) -> byte
         if not n:
             break
     return b"".join((prefix, head, payload))
+
+
+def split_payload(data: bytes, field: int) -> tuple[bytes, memoryview]:
+    """``with_payload`` undone on a received message: (the message without its ``field``, for protobuf to parse; a
+    view of that field's bytes, not copied). A parse that copied the payload cost 9 ms of a restore's CPU per 40 MB.
+    The scan skips over each field by its length, so it costs in proportion to the fields sent.
+
+    Raises:
+        CodecError: the message is not well-formed protobuf at its top level.
+    """
+    n, i, found = len(data), 0, None
+    while i < n:
+        start = i
+        key, i = _varint(data, i)
+        kind = key & 7
+        if kind == 0:
+            _, i = _varint(data, i)
+        elif kind == 1:
+            i += 8
+        elif kind == 2:
+            size, i = _varint(data, i)
+            if key >> 3 == field:
+                found = (start, i, i + size)
+            i += size
+        elif kind == 5:
+            i += 4
+        else:
+            raise CodecError(f"malformed message: wire type {kind} at byte {start}")
+        if i > n:
+            raise CodecError(f"malformed message: a field at byte {start} runs past its end ({n} bytes)")
+    if found is None:
+        return data, memoryview(b"")
+    start, lo, hi = found
+    return data[:start] + data[hi:], memoryview(data)[lo:hi]
+
+
+def parse_with_payload(data: bytes, message: type, field: int) -> tuple[Any, memoryview]:
+    """A received message framed by ``with_payload``: (its other fields parsed by protobuf, its payload's view).
+
+    Raises:
+        CodecError: the message is malformed.
+    """
+    head, payload = split_payload(data, field)
+    try:
+        return message.FromString(head), payload
+    except DecodeError as e:
+        raise CodecError(f"malformed {message.__name__}: {e}") from None
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise CodecError(f"malformed message: a varint at byte {i} is truncated or too long")
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        i += 1
+        if not byte & 0x80:
+            return value, i
+        shift += 7
 
 
 def shard(job_id: str, rank: int, world_size: int) -> pb.ShardKey:

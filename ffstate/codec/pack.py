@@ -115,31 +115,52 @@ def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
 # Bytes of a tensor copied out at a time by ``unpack_verified``; and of the buffer a task of the codec's threads
 # copies out and then hashes while it is in cache (whole checksum pieces: the sum splits at piece boundaries).
 _PIECE_BYTES = 1 << 20
-_TASK_BYTES = 4 * checksum.PIECE_BYTES
+TASK_BYTES = 4 * checksum.PIECE_BYTES
 _SMALL_BYTES = 64 << 10  # pieces below this are copied together, by one call per task
 
 
 @layout.gc_paused()
-def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
+def unpack_verified(manifest: Manifest, buf: torch.Tensor, leaves: list[Any] | None = None) -> tuple[Any, int]:
     """``unpack`` (into new tensors, each its own storage) and ``buffer_checksum`` of a CPU buffer, in one pass.
 
     One pass over ``buf`` instead of two (a restore reads a slot or a decoded buffer once), on the codec's
     threads: each task copies out the pieces of the tensors that start in its 4 MiB of the buffer (up to 1 MiB of
     a tensor at a time; small ones together, one call), then hashes those 4 MiB while they are in cache. A slot's
     reader checks afterwards that the worker did not rewrite the slot meanwhile (``shm.Slots.read``); the caller
-    compares the checksum with the one it trusts before using the state.
+    compares the checksum with the one it trusts before using the state. ``leaves``: ``layout.empty_leaves`` of
+    the manifest, made beforehand.
     """
-    leaves = layout.empty_leaves(manifest)
-    host = buf.numpy()
-    tasks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(-(-host.size // _TASK_BYTES))]
-    for spec, leaf in zip(manifest.tensors, leaves):
-        for a in range(0, spec.nbytes, _PIECE_BYTES):
-            pos = spec.offset + a
-            tasks[pos // _TASK_BYTES].append((pos, layout.leaf_bytes(leaf)[a : min(spec.nbytes, a + _PIECE_BYTES)]))
+    plan = Unpacking(manifest, buf, leaves)
+    return plan.finish(sum(_map(plan.run, range(plan.count))))
 
-    def run(i: int) -> int:
+
+class Unpacking:
+    """``unpack_verified`` as tasks: ``run(i)`` copies out and hashes task i's part of the buffer (the bytes
+    ``span(i)`` says it reads) and returns its share of the sum; ``finish`` of the shares' sum gives the state and
+    the checksum. A streamed restore runs each task as soon as the segments under its span are decoded."""
+
+    def __init__(self, manifest: Manifest, buf: torch.Tensor, leaves: list[Any] | None = None):
+        self.manifest, self.buf = manifest, buf
+        self.leaves = layout.empty_leaves(manifest) if leaves is None else leaves
+        self._host = buf.numpy()
+        self.count = -(-self._host.size // TASK_BYTES)
+        self._tasks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(self.count)]
+        self._ends = [min((i + 1) * TASK_BYTES, self._host.size) for i in range(self.count)]
+        for spec, leaf in zip(manifest.tensors, self.leaves):
+            for a in range(0, spec.nbytes, _PIECE_BYTES):
+                pos, n = spec.offset + a, min(_PIECE_BYTES, spec.nbytes - a)
+                i = pos // TASK_BYTES
+                self._tasks[i].append((pos, layout.leaf_bytes(leaf)[a : a + n]))
+                self._ends[i] = max(self._ends[i], pos + n)
+
+    def span(self, i: int) -> tuple[int, int]:
+        """The bytes of the buffer task ``i`` reads: its 4 MiB, and the rest of a piece that starts in them."""
+        return i * TASK_BYTES, self._ends[i]
+
+    def run(self, i: int) -> int:
+        buf = self.buf
         dsts, srcs = [], []
-        for pos, dst in tasks[i]:
+        for pos, dst in self._tasks[i]:
             n = dst.numel()
             if n >= _SMALL_BYTES and dst.device.type == "cpu":
                 dst.copy_(buf[pos : pos + n])
@@ -148,11 +169,11 @@ def unpack_verified(manifest: Manifest, buf: torch.Tensor) -> tuple[Any, int]:
                 srcs.append(buf[pos : pos + n])
         if dsts:
             _copy_pieces(dsts, srcs)
-        lo = i * _TASK_BYTES
-        return checksum.piece_sum(host[lo : lo + _TASK_BYTES], lo // checksum.PIECE_BYTES)
+        lo = i * TASK_BYTES
+        return checksum.piece_sum(self._host[lo : lo + TASK_BYTES], lo // checksum.PIECE_BYTES)
 
-    total = sum(_map(run, range(len(tasks))))
-    return layout.finish_leaves(manifest, leaves), checksum.finish(total, host.size)
+    def finish(self, total: int) -> tuple[Any, int]:
+        return layout.finish_leaves(self.manifest, self.leaves), checksum.finish(total, self._host.size)
 
 
 def _copy_pieces(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

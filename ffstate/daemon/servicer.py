@@ -43,6 +43,18 @@ def _key(msg: pb.ShardKey) -> ShardKey:
     return ShardKey(msg.job_id, msg.rank, msg.world_size)
 
 
+def _chosen(chunks: list, wanted: Any) -> list:
+    """The chunks a fetch names (``FetchRequest.chunks``), checked in time proportional to the list sent."""
+    out, last = [], -1
+    for i in wanted:
+        if not last < i < len(chunks):
+            raise ReplicaError(f"fetch names chunk {i} after {last}: chunk indices must ascend and stay below the "
+                               f"version's {len(chunks)} chunks", "INVALID_ARGUMENT")
+        out.append(chunks[i])
+        last = i
+    return out
+
+
 class TokenInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED, before any handler runs, for a call without the job's token."""
 
@@ -174,10 +186,19 @@ class Servicer:
         return self._guard("Commit", context, run)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        version, packed, reserved = self._guard("Fetch", context,
-                                                lambda: self.node.fetch(_key(request.shard), request.version))
+        def fetch() -> tuple[int, list, int]:
+            version, packed, reserved = self.node.fetch(_key(request.shard), request.version)
+            if not request.chunks:
+                return version, packed.chunks, reserved
+            try:
+                return version, _chosen(packed.chunks, request.chunks), reserved
+            except ReplicaError:
+                self.node.release(reserved)
+                raise
+
+        version, chunks, reserved = self._guard("Fetch", context, fetch)
         try:
-            for c in packed.chunks[request.first_chunk :: request.chunk_step or 1]:
+            for c in chunks[request.first_chunk :: request.chunk_step or 1]:
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
                                      checksum=c.checksum).SerializeToString()
                 yield wire.with_payload(head, 5, c.payload)

@@ -58,6 +58,13 @@ def test_a_seeded_schedule_of_every_kind_of_failure_ends_bit_identical_and_leave
     assert sorted(e["rank"] for e in finished) == [0, 1, 2, 3]
     for e in finished:
         assert e["razor_group"] == [0, 1, 2, 3] and e["shard_bytes"] < 0.6 * e["state_bytes"], e
+    # The lost node's ranks took from each other member's shard its part of the parameters alone, not its optimizer
+    # shard too (a whole shard each: about twice the rank's state in all, here).
+    state_bytes = {e["rank"]: e["state_bytes"] for e in finished}
+    for e in restored:
+        if e["rank"] // 2 == lost["node"]:
+            assert sorted(map(int, e["parts_from"])) == sorted({0, 1, 2, 3} - {e["rank"]}), e
+            assert e["bytes"] < 1.1 * state_bytes[e["rank"]], (e, state_bytes)
     # After the job: every daemon exited with nothing accounted, no slot left in /dev/shm, no daemon left.
     assert result["accounted_at_exit"] and set(result["accounted_at_exit"]) == {0}, result["accounted_at_exit"]
     assert result["shm_left"] == [] and result["daemons_left"] == []

@@ -91,6 +91,27 @@ def test_token_is_checked_on_every_rpc(held, states):
     assert_still_version_1(d, states)
 
 
+def test_a_fetch_of_named_chunks_streams_those_alone_and_a_bad_list_is_refused(shared_held, states):
+    """``FetchRequest.chunks``: what a razor restore asks for (a member's part), striped like a whole fetch; a list
+    that does not ascend or names a chunk past the version's is INVALID_ARGUMENT, and the replica stays."""
+    d, stub = shared_held
+    with d.client() as c:
+        whole = c.fetch(JOB, 0, 1, 1)
+        n = len(whole.chunks)
+        assert n >= 4
+        named = [0, 2, n - 1]
+        got = c.fetch_chunks(JOB, 0, 1, 1, chunks=named)
+        assert [ch.index for _, ch in got] == named and {v for v, _ in got} == {1}
+        assert [bytes(ch.payload) for _, ch in got] == [bytes(whole.chunks[i].payload) for i in named]
+        odd = c.fetch_chunks(JOB, 0, 1, 1, first=1, step=2, chunks=named)  # a stripe of the list
+        assert [ch.index for _, ch in odd] == [2]
+        for bad, text in (([3, 2], "ascend"), ([0, 0], "ascend"), ([0, n], f"{n} chunks"), ([1 << 31], "below")):
+            with pytest.raises(ReplicaError, match=text) as e:
+                c.fetch_chunks(JOB, 0, 1, 1, chunks=bad)
+            assert e.value.code == "INVALID_ARGUMENT"
+    assert_still_version_1(d, states)
+
+
 def corrupt(msgs, i):
     msgs[i].payload = bytes([msgs[i].payload[0] ^ 1]) + msgs[i].payload[1:]
     return msgs

@@ -357,6 +357,39 @@ def test_streamed_full_version_decodes_bit_exact_in_any_order_with_repeats(pair)
     assert_bitwise_equal(dec.state(), s1)  # copied out and summed in one pass
 
 
+def test_a_streamed_version_is_copied_out_as_its_segments_land_and_ends_bit_exact():
+    """The copy-out into new tensors and the version's sum run task by task (4 MiB of the buffer each) as soon as
+    the segments under a task's bytes are in: before the last segment lands, the tasks away from it are done; the
+    state at the end is bit-exact, from any order of arrival over several threads, with repeats."""
+    g = torch.Generator().manual_seed(3)
+    state = {"big": torch.randn(2_500_001, generator=g), "h": torch.randn(1_000_003, generator=g).bfloat16(),
+             "i": torch.randint(0, 1 << 40, (700_001,), generator=g), "small": [torch.randn(17) for _ in range(50)],
+             "b": torch.rand(33, generator=g) > 0.5, "lr": 0.25}
+    full = codec.encode(state, chunk_bytes=256 << 10)
+    chunks = list(full.chunks)
+    last = max(chunks[1:], key=lambda c: c.index)  # the end of the buffer: under the last task only
+    dec = codec.Decoder()
+    for c in [chunks[0], *chunks[1:-1]]:
+        dec.add(c)
+    import time
+    deadline = time.monotonic() + 30
+    while not (len(dec._tasks) >= dec._unpacking.count - 1 and all(t.done() for t in dec._tasks)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert dec._unpacking.count >= 5 and len(dec._tasks) < dec._unpacking.count  # the last waits for its segment
+    dec.add(last)
+    assert_bitwise_equal(dec.state(), state)
+    rng = np.random.default_rng(1)
+    shuffled = chunks + chunks[::3]
+    rng.shuffle(shuffled)
+    from concurrent.futures import ThreadPoolExecutor
+
+    dec = codec.Decoder()
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda i: [dec.add(c) for c in shuffled[i::3]], range(3)))
+    assert_bitwise_equal(dec.state(), state)
+
+
 def test_unpack_verified_sums_what_it_copies_bit_exact():
     """One pass: the copies are the state, their sum is the buffer's checksum (padding and tails included)."""
     state = {"a": torch.arange(13, dtype=torch.uint8), "b": torch.randn(3, 5, dtype=torch.float64),

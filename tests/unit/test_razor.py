@@ -110,3 +110,54 @@ def test_a_later_split_follows_the_keys_and_gives_what_the_whole_walk_gives():
     assert_bitwise_equal(split(changed, plan, 1)["razor"]["part"], first["razor"]["part"])
     with pytest.raises(FFStateError, match="no longer has the redundant entries"):
         split({**state, "model": {}}, plan, 1)
+
+
+def test_a_member_s_part_decodes_from_its_segments_alone_and_assembles_bitwise():
+    """A razor restore takes from another member's shard its part only: the header, then the segments that hold
+    the part (``Decoder(want=in_part).needed``); the part decodes bit-exact from those, fed in any order with
+    repeats and unneeded chunks among them, and the state assembles; a bad chunk it needs is refused."""
+    import numpy as np
+
+    from ffstate.codec import Chunk
+    from ffstate.errors import CodecError
+    from ffstate.razor import in_part
+
+    group = (0, 1, 2)
+    model = {"w": random_tensor((301, 7), torch.float32, 1), "e": random_tensor((33,), torch.bfloat16, 2),
+             "n": random_tensor((5,), torch.int64, 3)}
+    states = [{"model": model, "optim": {"m": random_tensor((2107, 5), torch.float32, 10 + r),
+                                         "h": random_tensor((999,), torch.bfloat16, 20 + r)}, "step": 7 + r}
+              for r in group]  # ZeRO-like: the model shared, each rank's optimizer its own and larger
+    plan = Plan.of(states[0], Groups(group, ("model",), "test"))
+    shards = {r: split(states[r], plan, r) for r in group}
+    rng = np.random.default_rng(0)
+    parts = {}
+    for r in (1, 2):
+        chunks = list(codec.encode(shards[r], chunk_bytes=4096).chunks)
+        dec = codec.Decoder(want=in_part)
+        dec.add(chunks[0])
+        needed = dec.needed
+        assert needed[0] == 0 and len(needed) < len(chunks) / 3, (len(needed), len(chunks))
+        sent = [chunks[i] for i in needed[1:]] + [chunks[i] for i in needed[1::2]]  # repeats (a retried stripe)
+        sent += [c for c in chunks[1:] if c.index not in needed][:3]  # chunks a part does not need: ignored
+        rng.shuffle(sent)
+        for c in sent:
+            dec.add(c)
+        got = dec.state()
+        assert dec.part_nbytes == plan.part_bytes(r)
+        assert all(t.is_meta for t in layout.flatten(got["own"])[1] if isinstance(t, torch.Tensor))
+        parts[r] = got
+        bad = bytearray(chunks[needed[-1]].payload)
+        bad[len(bad) // 2] ^= 1
+        dec = codec.Decoder(want=in_part)
+        for c in chunks[: needed[-1]]:
+            dec.add(c)
+        dec.add(Chunk(needed[-1], len(chunks), chunks[needed[-1]].checksum, memoryview(bytes(bad))))
+        with pytest.raises(CodecError, match="corrupted"):
+            dec.state()
+        dec = codec.Decoder(want=in_part)
+        for c in chunks[: needed[-1]]:
+            dec.add(c)
+        with pytest.raises(CodecError, match="missing"):
+            dec.state()
+    assert_bitwise_equal(assemble(shards[0], {0: shards[0], **parts}), states[0])

@@ -34,3 +34,28 @@ def test_with_payload_frames_a_bytes_field_as_protobuf_does():
         head = pb.PushChunk(version=3, chunk_index=1, chunk_count=2, checksum=9).SerializeToString()
         msg = pb.PushChunk.FromString(wire.with_payload(head, 7, payload))
         assert (msg.version, msg.chunk_index, msg.payload) == (3, 1, payload)
+
+
+def test_a_received_payload_is_split_off_without_a_copy_and_malformed_messages_are_refused():
+    """``parse_with_payload`` gives what protobuf's parse gives, the payload as a view of the received bytes (in any
+    field order, protobuf's own serialization included), and refuses a truncated or malformed message by name."""
+    import pytest
+
+    from ffstate import wire
+    from ffstate._proto import replica_pb2 as pb
+    from ffstate.errors import CodecError
+
+    for n in (0, 5, 200, 70000):
+        payload = bytes(range(256)) * (n // 256) + bytes(n % 256)
+        full = pb.FetchChunk(version=3, chunk_index=1, chunk_count=2, checksum=(1 << 64) - 1, payload=payload)
+        framed = wire.with_payload(pb.FetchChunk(version=3, chunk_index=1, chunk_count=2,
+                                                 checksum=(1 << 64) - 1).SerializeToString(), 5, payload)
+        for data in (full.SerializeToString(), framed):
+            m, view = wire.parse_with_payload(data, pb.FetchChunk, 5)
+            assert isinstance(view, memoryview) and (view.obj is data or not n) and bytes(view) == payload
+            assert (m.version, m.chunk_index, m.chunk_count, m.checksum, m.payload) == (3, 1, 2, (1 << 64) - 1, b"")
+    data = framed
+    for bad, text in ((data[:-1], "runs past"), (data[:1], "truncated"), (b"\x0b\x00", "wire type 3"),
+                      (b"\x08" + b"\xff" * 11, "too long"), (b"\x02\x00", "malformed FetchChunk")):
+        with pytest.raises(CodecError, match=text):
+            wire.parse_with_payload(bad, pb.FetchChunk, 5)
