@@ -36,7 +36,7 @@ from ffstate.config import Config
 from ffstate.errors import FFStateError
 from ffstate.inprocess.abort import GroupAbort, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
-from ffstate.inprocess.store import ensure, register
+from ffstate.inprocess.store import ensure, heartbeat
 from ffstate.job import job_id
 
 log = logging.getLogger("ffstate.inprocess")
@@ -162,7 +162,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job_id(cfg)}"
     if placement.is_local(host):
         ensure(host, port, run_dir)
-    register(run_dir)
+    heartbeat(host, port)
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     abort = GroupAbort()

@@ -4,10 +4,11 @@ waits out its timeout). Two TCPStores: ``MASTER_PORT`` for the training's proces
 ``MASTER_PORT + 1`` for the engine's own.
 
 The host is started, once, by the first process of the job on that node to find nothing listening (a lock in the
-job's run folder); it runs in a session of its own and exits once no process of the job that registered itself
-(a pid file in the run folder) has been alive for ``IDLE_EXIT`` seconds.
+job's run folder); it runs in a session of its own and exits once no process of the job, on any node, has sent a
+heartbeat for ``IDLE_EXIT`` seconds (each adds to a key of the training's store every ``HEARTBEAT_EVERY`` seconds:
+the first node's processes may all be gone, their ranks moved to a spare node, while the job goes on).
 
-    python -m ffstate.inprocess.store HOST PORT RUN_DIR
+    python -m ffstate.inprocess.store HOST PORT [IDLE_EXIT]
 """
 
 from __future__ import annotations
@@ -16,28 +17,38 @@ import contextlib
 import datetime
 import fcntl
 import logging
-import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 log = logging.getLogger("ffstate.inprocess")
 
-IDLE_EXIT = 60.0  # seconds with no registered process of the job alive before the stores go
+IDLE_EXIT = 60.0  # seconds with no heartbeat from any process of the job before the stores go
+HEARTBEAT_EVERY = 5.0  # seconds between a process's heartbeats
+HEARTBEAT_KEY = "ffstate/inprocess/heartbeats"
 START_WAIT = 60.0  # seconds a process waits for the host to listen
 PORTS = 2  # the training's store, the engine's
 
 
-def pids_dir(run_dir: Path) -> Path:
-    return run_dir / "inprocess-pids"
+def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> None:
+    """Counts this process among the job's while it lives, from any node: a thread adds 1 to ``HEARTBEAT_KEY`` of
+    the store at ``host:port`` every ``every`` seconds, on a connection of its own."""
+    import torch.distributed as dist
 
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
 
-def register(run_dir: Path) -> None:
-    """Counts this process among the job's (the host stays while one is alive)."""
-    pids_dir(run_dir).mkdir(parents=True, exist_ok=True)
-    (pids_dir(run_dir) / str(os.getpid())).touch()
+    def beat() -> None:
+        while True:
+            try:
+                store.add(HEARTBEAT_KEY, 1)
+            except Exception as e:  # noqa: BLE001 (the host gone: nothing left to keep alive)
+                log.debug("store heartbeat: %s", e)
+            time.sleep(every)
+
+    threading.Thread(target=beat, name="ffstate-store-heartbeat", daemon=True).start()
 
 
 def listening(host: str, port: int) -> bool:
@@ -59,7 +70,7 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
         try:
             if not listening(host, port):
                 with open(log_path, "a") as out:
-                    subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", host, str(port), str(run_dir)],
+                    subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", host, str(port)],
                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                      close_fds=True)
                 deadline = time.monotonic() + START_WAIT
@@ -72,33 +83,24 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _any_alive(run_dir: Path) -> bool:
-    for f in pids_dir(run_dir).glob("*"):
-        try:
-            os.kill(int(f.name), 0)
-            return True
-        except (ProcessLookupError, ValueError):
-            f.unlink(missing_ok=True)
-        except PermissionError:
-            return True
-    return False
-
-
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
-    host, port, run_dir = (argv or sys.argv[1:])[:3]
+    args = argv or sys.argv[1:]
+    host, port = args[0], args[1]
+    idle_exit = float(args[2]) if len(args) > 2 else IDLE_EXIT
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stores = [dist.TCPStore(host, int(port) + i, None, is_master=True, wait_for_workers=False, multi_tenant=True,
                             timeout=datetime.timedelta(seconds=300)) for i in range(PORTS)]
     log.info("the job's stores listen at %s:%s-%d", host, port, int(port) + PORTS - 1)
-    last_alive = time.monotonic()
+    last_alive, beats = time.monotonic(), 0
     while True:
-        time.sleep(1.0)
-        if _any_alive(Path(run_dir)):
-            last_alive = time.monotonic()
-        elif time.monotonic() - last_alive > IDLE_EXIT:
-            log.info("no process of the job alive for %.0fs: the stores go", IDLE_EXIT)
+        time.sleep(min(1.0, idle_exit / 4))
+        now_beats = stores[0].add(HEARTBEAT_KEY, 0)
+        if now_beats != beats:
+            last_alive, beats = time.monotonic(), now_beats
+        elif time.monotonic() - last_alive > idle_exit:
+            log.info("no heartbeat from any process of the job for %.0fs: the stores go", idle_exit)
             del stores
             return 0
 

@@ -74,7 +74,7 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store 127.0.0.1 {env['MASTER_PORT']} "], check=False)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store 127.0.0.1 {env['MASTER_PORT']}$"], check=False)
 
 
 def finals(out: Path, world: int = 4) -> list[dict]:
@@ -165,3 +165,29 @@ def test_no_spare_left_the_node_leaves_and_the_others_go_on_at_the_smaller_world
     assert last == {0: 2, 1: 3}, last  # node 1's processes, renumbered, finished the job in the processes they began in
     assert not any(r.get("process") == 0 and r.get("iteration", 0) >= 1 and "step" in r for r in rows)
     assert len(finals(out, 2)) == 2 and not (out / "final-rank2.pt").exists()
+
+
+def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_runs():
+    """The stores' host counts the job's processes by their heartbeats through the store, not by pid files on its
+    own node: a process elsewhere (here one with no file in any run folder) keeps it past its idle exit, and once
+    the last heartbeat stops the host exits on its own."""
+    port = free_ports(1)
+    host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port), "2"])
+    beater = None
+    try:
+        from ffstate.inprocess.store import listening
+
+        deadline = time.monotonic() + 60
+        while not listening("127.0.0.1", port):
+            assert time.monotonic() < deadline and host.poll() is None
+            time.sleep(0.1)
+        beater = subprocess.Popen([sys.executable, "-c", "import time\nfrom ffstate.inprocess.store import heartbeat\n"
+                                   f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(8)"])
+        time.sleep(6)  # three idle exits
+        assert host.poll() is None, "the host left while a process of the job was beating"
+        assert beater.wait(60) == 0
+        assert host.wait(60) == 0  # no heartbeat for 2 s: it exits, cleanly
+    finally:
+        for p in (host, beater):
+            if p is not None and p.poll() is None:
+                p.kill()
