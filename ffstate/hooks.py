@@ -20,33 +20,28 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ffstate import shm
+from ffstate import marks, shm
 
 
 def register_comm_hook(ddp: torch.nn.parallel.DistributedDataParallel, state: Any, hook: Callable) -> None:
-    """``ddp.register_comm_hook(state, hook)``, with ffstate's marks around the hook's work; call it where the
-    loop would call DDP's, before ``ffstate.replicate(...)``.
+    """``ddp.register_comm_hook(state, hook)``, with ffstate's marks around the hook's work (and around DDP's
+    broadcast of the module's buffers, as without a hook); call it where the loop would call DDP's, before
+    ``ffstate.replicate(...)``.
 
     Raises:
         RuntimeError: DDP's own error when the model has a communication hook already.
     """
-    marks = shm.CommMarks()
-    ddp.register_comm_hook((marks, state, hook), _marked_hook)
-    ddp._ffstate_marks = marks  # pacing.py takes these marks: no hook of its own
+    comm = shm.CommMarks()
+    ddp.register_comm_hook((comm, state, hook), _marked_hook)
+    marks.mark_ddp_buffer_broadcast(ddp, comm)  # as pacing.py marks them beside its own hook
+    ddp._ffstate_marks = comm  # pacing.py takes these marks: no hook of its own
     ddp._ffstate_hook_state = state
 
 
 def _marked_hook(packed, bucket):  # no annotations: DDP checks them, and this module's are strings
     """The user's hook on ``bucket``; its work marked on the wire from the call to the end of its future."""
-    marks, state, hook = packed
-    started = marks.start()
-    fut = hook(state, bucket)
-
-    def done(f):
-        marks.end(started)
-        return f.value()
-
-    return fut.then(done)
+    comm, state, hook = packed
+    return marks.ended(comm, comm.start(), hook(state, bucket))
 
 
 class PowerSGDState:

@@ -22,11 +22,16 @@ def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and thi
     started = marks.start()
     buf = bucket.buffer()
     buf.mul_(1.0 / group.size())
-    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    return ended(marks, started, dist.all_reduce(buf, group=group, async_op=True).get_future(), lambda v: v[0])
+
+
+def ended(marks, started: int, fut, value=lambda v: v):
+    """A hook's future ``fut``, continued by marking its collective off the wire; resolves to ``value`` of its value
+    (DDP expects the bucket's tensor)."""
 
     def done(f):
         marks.end(started)
-        return f.value()[0]
+        return value(f.value())
 
     return fut.then(done)
 

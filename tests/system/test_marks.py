@@ -22,3 +22,33 @@ def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):
         assert got["tensors"] > 100 and got["differ"] == []
         assert got["capture_differs"] == []  # the commit reads state_dict(keep_vars=True): the same tensors
 
+
+
+def test_a_hook_registered_through_ffstate_marks_its_buckets_and_ddp_s_buffer_broadcasts(tmp_path):
+    """``ffstate.register_comm_hook`` marks the user's hook's work on each gradient bucket and, as ffstate's own hook
+    does, DDP's broadcast of the module's buffers before each forward (one process, gloo): the scheduler sees every
+    collective the step waits in. The hook's result is DDP's gradient as without ffstate."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import ffstate
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        counts, grads = {}, {}
+        for broadcast in (True, False):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))  # BatchNorm: buffers
+            ddp = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=broadcast)
+            ffstate.register_comm_hook(ddp, None, default_hooks.allreduce_hook)
+            seen = []
+            for _ in range(3):
+                ddp(torch.randn(8, 4)).sum().backward()
+                seen.append(ddp._ffstate_marks.count)
+            counts[broadcast], grads[broadcast] = seen, [p.grad.clone() for p in model.parameters()]
+        assert counts[False] == [1, 2, 3]  # one bucket a step
+        assert counts[True] == [2, 4, 6]  # and the buffers' broadcast
+        assert all(torch.equal(a, b) for a, b in zip(grads[True], grads[False]))
+    finally:
+        dist.destroy_process_group()
