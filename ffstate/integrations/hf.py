@@ -38,25 +38,67 @@ TRAINER_STATE = "trainer_state.json"  # the one file of the folder the Trainer r
 
 
 class _TrainerState:
-    """The ``TrainerState`` as one JSON string: one value for ffstate, whose layout stays the same as the log grows."""
+    """The ``TrainerState`` for ffstate: its fields but the log as one JSON string, and the log (``log_history``, which
+    grows by an entry per logging step for the whole run) as the JSON lines of its entries in a byte tensor. Each
+    entry is serialized once, when it appears; the tensor's bytes before it never change, so a commit's XOR delta of
+    the log is the new entries alone, and the tensor's capacity doubles when full (its layout changes that rarely)."""
+
+    MIN_CAPACITY = 4096
+    # The Trainer's own bookkeeping between logging steps, on the Trainer (transformers 5): the loss summed since the
+    # last log, the sum logged so far, the step of the last log and of the run's start, the FLOPs not yet counted in
+    # the state. Restored, the first log and the final ``train_loss`` after a restore are the run's without failure.
+    LOGGING = ("_total_loss_scalar", "_globalstep_last_logged", "_initial_global_step", "current_flos")
 
     def __init__(self) -> None:
         self.trainer: Any = None
         self.restored: dict | None = None
+        self._log = torch.zeros(self.MIN_CAPACITY, dtype=torch.uint8)
+        self._log_bytes = 0  # of ``_log`` in use
+        self._count = 0  # log_history entries serialized so far
+        self._last: Any = None  # the last of them (the list's own item: the log goes on from it if it is still there)
+        self.restored_tr_loss: torch.Tensor | None = None
 
     def state_dict(self) -> dict:
         if self.trainer is None:
-            return {"json": ""}
-        state = dataclasses.asdict(self.trainer.state)
+            return {"json": "", "log": self._log[:0], "log_bytes": 0, "tr_loss": torch.zeros(())}
+        trainer_state = self.trainer.state
+        state = dataclasses.asdict(dataclasses.replace(trainer_state, log_history=[]))
+        del state["log_history"]
         exported: dict = {}  # what the Trainer's own checkpoints keep of its callbacks (EarlyStopping, its control)
         for cb in [*self.trainer.callback_handler.callbacks, self.trainer.control]:
             if isinstance(cb, ExportableState):
                 exported.setdefault(type(cb).__name__, []).append(cb.state())
         state["stateful_callbacks"] = {k: v[0] if len(v) == 1 else v for k, v in exported.items()}
-        return {"json": json.dumps(state, sort_keys=True)}
+        state["ffstate_logging"] = {k: getattr(self.trainer, k) for k in self.LOGGING if hasattr(self.trainer, k)}
+        self._append(trainer_state.log_history)
+        tr_loss = getattr(self.trainer, "_tr_loss", None)
+        return {"json": json.dumps(state, sort_keys=True), "log": self._log, "log_bytes": self._log_bytes,
+                "tr_loss": tr_loss if isinstance(tr_loss, torch.Tensor) and tr_loss.dim() == 0 else torch.zeros(())}
+
+    def _append(self, history: list) -> None:
+        n = self._count
+        if len(history) < n or (n and history[n - 1] is not self._last):  # a new log (a restored TrainerState's)
+            self._count, self._log_bytes, n = 0, 0, 0
+        if len(history) == n:
+            return
+        new = "".join(json.dumps(e) + "\n" for e in history[n:]).encode()  # its keys in the order they came
+        end = self._log_bytes + len(new)
+        if end > self._log.numel():
+            grown = torch.zeros(max(2 * self._log.numel(), 1 << (end - 1).bit_length()), dtype=torch.uint8)
+            grown[: self._log_bytes] = self._log[: self._log_bytes]
+            self._log = grown
+        self._log[self._log_bytes : end] = torch.frombuffer(bytearray(new), dtype=torch.uint8)
+        self._log_bytes = end
+        self._count, self._last = len(history), history[-1]
 
     def load_state_dict(self, state: dict) -> None:
-        self.restored = json.loads(state["json"]) if state["json"] else None
+        if not state["json"]:
+            self.restored = None
+            return
+        self.restored = json.loads(state["json"])
+        self.restored_tr_loss = state["tr_loss"]
+        text = bytes(state["log"][: state["log_bytes"]].numpy()).decode()
+        self.restored["log_history"] = [json.loads(line) for line in text.splitlines()]
 
 
 class ReplicationCallback(TrainerCallback):
@@ -73,6 +115,13 @@ class ReplicationCallback(TrainerCallback):
         self._pause = contextlib.ExitStack()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, saved = self.box.trainer, self.box.restored
+        if self.restored and saved is not None:  # after the Trainer set its logging bookkeeping for a resume
+            for k, v in saved.pop("ffstate_logging", {}).items():
+                if hasattr(trainer, k):
+                    setattr(trainer, k, v)
+            if isinstance(getattr(trainer, "_tr_loss", None), torch.Tensor) and self.box.restored_tr_loss is not None:
+                trainer._tr_loss = self.box.restored_tr_loss.to(trainer._tr_loss.device)
         if self.restored and self.ff is not None and self.ff.cfg.shadow_ddp_step:
             wrapped = self.box.trainer.model_wrapped  # the DDP module now: its buckets as a run that never stopped
             if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
@@ -151,7 +200,7 @@ def train(trainer: Any, config: Config | None = None, **train_kwargs: Any) -> An
             cb._rng_at = "epoch" if per_epoch and state["global_step"] % per_epoch == 0 else "step"
             folder = tempfile.mkdtemp(prefix="ffstate-hf-resume-")
             with open(os.path.join(folder, TRAINER_STATE), "w") as f:
-                json.dump(state, f)
+                json.dump({k: v for k, v in state.items() if k != "ffstate_logging"}, f)  # the TrainerState's fields
             trainer._load_from_checkpoint = lambda *args, **kwargs: None  # the model is restored; nothing to load
             try:
                 return trainer.train(resume_from_checkpoint=folder, **train_kwargs)

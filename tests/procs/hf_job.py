@@ -4,7 +4,8 @@ a random dataset, AdamW with warm-up, evaluation every few steps, DDP over gloo 
     torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/hf_job.py OUT [--kill-rank R --kill-step S] [--no-ffstate]
 
 Rank R SIGKILLs itself once (a marker in OUT) right before the optimizer step of step S (the others may have done
-it). At the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and scheduler's state, the step.
+it). At the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and scheduler's state, the step,
+the log (its timings aside).
 """
 
 import argparse
@@ -61,8 +62,11 @@ def main() -> None:
         trainer.train()
     else:
         hf.train(trainer)
+    # The log as the run kept it (its timings aside: they differ between any two runs).
+    log = [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k}
+           for e in trainer.state.log_history]
     torch.save({"model": model.state_dict(), "optim": trainer.optimizer.state_dict(),
-                "sched": trainer.lr_scheduler.state_dict(), "step": trainer.state.global_step},
+                "sched": trainer.lr_scheduler.state_dict(), "step": trainer.state.global_step, "log": log},
                a.out / f"final-rank{dist.get_rank()}.pt")
 
 

@@ -1,6 +1,6 @@
 """The frameworks' adapters (ffstate/integrations/): a PyTorch Lightning fit and a Hugging Face Trainer run, each under
 torchrun on 2 ranks (DDP, gloo) with a rank SIGKILLed mid-epoch, end bit-identical to the same run without ffstate and
-without the failure, restored at the step the job reached."""
+without the failure (the Trainer's log too, but its timings), restored at the step the job reached."""
 
 import json
 import os
