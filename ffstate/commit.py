@@ -12,6 +12,7 @@ import torch
 
 from ffstate import codec, layout, staging
 from ffstate.codec.backend import _kernels_choice
+from ffstate.errors import LayoutChanged
 from ffstate.shm import Slots
 
 log = logging.getLogger("ffstate.commit")
@@ -27,6 +28,7 @@ class SlotWriter:
         self._targets: list[list[torch.Tensor] | None] = [None] * len(slots.data)  # made once per slot
         self._stager: staging.Stager | None = None
         self._decided = False
+        self._staged = False  # a staged pack has succeeded (a later failure is not the kernels' absence)
 
     def commit(self, state: Any, version: int, wait: float = 0.0) -> None:
         """Packs ``state`` into the older slot and publishes it as ``version``; see ``Slots.begin`` for ``wait``.
@@ -39,9 +41,20 @@ class SlotWriter:
         if not self._decided:
             self._decide(state)
         k = slots.begin(version, wait)
+        manifest = None
         if self._stager is not None:
-            manifest = self._stager.pack(state, slots.data[k])
-        else:
+            try:
+                manifest = self._stager.pack(state, slots.data[k])
+                self._staged = True
+            except LayoutChanged:
+                raise
+            except Exception as e:  # noqa: BLE001 (the first staged pack: Triton missing or unable to compile)
+                if self._staged or _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto")) == "triton":
+                    raise  # not the first, or the kernels were asked for by name
+                log.warning("the staged commit failed at its first use (%s: %s): commits copy tensor by tensor "
+                            "instead (FFSTATE_KERNELS=torch says so from the start)", type(e).__name__, e)
+                self.close()
+        if manifest is None:
             if self._targets[k] is None:
                 self._targets[k] = codec.pack_targets(slots.data[k], slots.manifest)
             manifest = codec.pack_into(state, slots.data[k], slots.manifest, checksum=False,
@@ -53,7 +66,12 @@ class SlotWriter:
         _, leaves = layout.analyze_known(state, self.slots.manifest)
         device = staging.wanted(leaves)
         if device is not None and _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto")) != "torch":
-            self._stager = staging.Stager(device, self.slots.manifest, list(self.slots.data))
+            try:
+                self._stager = staging.Stager(device, self.slots.manifest, list(self.slots.data))
+            except (ImportError, RuntimeError) as e:  # no Triton, no room on the device for a second copy of the state
+                log.warning("commits cannot be staged on %s (%s: %s): they copy tensor by tensor", device,
+                            type(e).__name__, str(e).splitlines()[0][:200])
+                return
             log.info("commits are staged on %s: one gather into %.1f MB of device memory, one copy into the slot",
                      device, self.slots.manifest.nbytes / 1e6)
 

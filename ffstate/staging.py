@@ -13,6 +13,9 @@ tests check the staged layout bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
 from typing import Any
 
@@ -40,10 +43,16 @@ class Stager:
 
     def __init__(self, device: torch.device, manifest: Manifest, outs: list[torch.Tensor]):
         self.device, self.manifest = torch.device(device), manifest
-        self.buf = torch.zeros(manifest.nbytes, dtype=torch.uint8, device=self.device)  # its padding stays zero
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self._registered = [out for out in outs if self.cuda and _register(out)]
+        with self._on_device():
+            self.buf = torch.zeros(manifest.nbytes, dtype=torch.uint8, device=self.device)  # its padding stays zero
+            self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+            self._registered = [out for out in outs if self.cuda and _register(out)]
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The staging device made current: Triton launches, events and the registration's context follow the
+        current device, which need not be the state's (a process that never called ``set_device``)."""
+        return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
     def pack(self, state: Any, out: torch.Tensor) -> Manifest:
         """Packs ``state`` (of this layout) into ``out``, a slot's bytes; returns the state's manifest (its
@@ -57,16 +66,17 @@ class Stager:
         placed = list(layout.iter_placed(current, arrays))
         here = [(s, a) for s, a in placed if _on(a, self.device)]
         rest = [(s, a) for s, a in placed if not _on(a, self.device)]
-        kernels.gather(here, self.buf)  # one launch for every device tensor, on the current stream
-        if self.cuda:
-            gathered = torch.cuda.Event()
-            gathered.record()
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(gathered)
-                out[: self.manifest.nbytes].copy_(self.buf, non_blocking=True)
-            self.stream.synchronize()
-        else:
-            out[: self.manifest.nbytes].copy_(self.buf)
+        with self._on_device():
+            kernels.gather(here, self.buf)  # one launch for every device tensor, on the device's current stream
+            if self.cuda:
+                gathered = torch.cuda.Event()
+                gathered.record(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.stream):
+                    self.stream.wait_event(gathered)
+                    out[: self.manifest.nbytes].copy_(self.buf, non_blocking=True)
+                self.stream.synchronize()
+            else:
+                out[: self.manifest.nbytes].copy_(self.buf)
         with torch.no_grad():  # the host's values, into their places after the device's bytes landed
             for spec, a in rest:
                 if spec.nbytes:
@@ -75,8 +85,12 @@ class Stager:
         return current
 
     def close(self) -> None:
-        for out in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
+        with self._on_device():
+            for out in self._registered:
+                err = torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
+                if int(err) != 0:
+                    log.warning("cudaHostUnregister of a slot returned %s", err)
+                    clear_cuda_error()
         self._registered = []
 
 
@@ -86,14 +100,49 @@ def _on(a: Any, device: torch.device) -> bool:
     return isinstance(a, torch.Tensor) and a.device == device and a.is_contiguous()
 
 
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the current device's alone
+
+
 def _register(out: torch.Tensor) -> bool:
     """Pins a slot's pages for the GPU's DMA (the slot is a shared mapping: registered, not copied)."""
+    if not out.numel() or not out.data_ptr():
+        return False
     try:
-        err = torch.cuda.cudart().cudaHostRegister(out.data_ptr(), out.numel(), 0)
+        err = torch.cuda.cudart().cudaHostRegister(out.data_ptr(), out.numel(), HOST_REGISTER_PORTABLE)
     except RuntimeError as e:
         log.warning("the slot's pages could not be registered with CUDA (%s): the copy runs at pageable speed", e)
+        clear_cuda_error()
         return False
     if int(err) != 0:
         log.warning("cudaHostRegister of a slot returned %s: the copy runs at pageable speed", err)
+        clear_cuda_error()
         return False
     return True
+
+
+def clear_cuda_error() -> bool:
+    """Reads back (and so clears) CUDA's last error after a runtime call that failed: torch's bindings of
+    ``cudaHostRegister``/``cudaHostUnregister`` return the error and leave it set, and the next kernel launch's check
+    would raise it at an unrelated operation. False where the CUDA runtime library is not found in the process (a
+    torch that links it statically: the failure may then surface at the next launch)."""
+    lib = _cudart()
+    if lib is None:
+        return False
+    lib.cudaGetLastError()
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime this process loaded (torch's), found among its mappings."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libcudart" in path.rsplit("/", 1)[-1]:
+                    lib = ctypes.CDLL(path)
+                    lib.cudaGetLastError.restype = ctypes.c_int
+                    return lib
+    except (OSError, AttributeError):
+        pass
+    return None

@@ -82,6 +82,63 @@ def test_a_state_on_a_gpu_is_staged_and_its_slot_holds_the_cpu_path_s_bytes(tmp_
         assert writer._stager is not None
         _, k = slots.committed()[0]
         assert torch.equal(slots.data[k][: manifest.nbytes], codec.pack(host).buffer)
+        # The same pages registered again fail (already registered); the failure must not stay CUDA's last error,
+        # which the next kernel launch's check would raise at an unrelated operation.
+        again = Stager(state["big"].device, manifest, list(slots.data))
+        assert again._registered == []
+        assert (torch.ones(8, device="cuda") + 1).sum().item() == 16
+        again.close()
     finally:
         writer.close()
         slots.close()
+
+
+def test_a_staged_commit_that_cannot_run_its_kernels_falls_back_to_copies_unless_they_were_asked_for(tmp_path,
+                                                                                                     monkeypatch,
+                                                                                                     caplog):
+    """The GPU path without its kernels (Triton missing, or no compiler for its launcher): the first staged commit
+    fails, the writer says so and copies tensor by tensor from then on, the slot right; with FFSTATE_KERNELS=triton
+    the same failure is raised."""
+    from ffstate import kernels, shm, staging
+    from ffstate.commit import SlotWriter
+
+    def no_triton(*args, **kwargs):
+        raise ImportError("No module named 'triton'")
+
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
+    monkeypatch.setattr(kernels, "gather", no_triton)
+    states = list(train_states(2))
+    manifest = layout.describe(states[0])
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setenv("FFSTATE_KERNELS", "triton")
+        else:
+            monkeypatch.delenv("FFSTATE_KERNELS", raising=False)
+        paths = shm.slot_paths("n0", f"j{int(forced)}", 0, 1)
+        shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
+        slots = shm.Slots(paths, manifest)
+        writer = SlotWriter(slots)
+        try:
+            if forced:
+                with pytest.raises(ImportError):
+                    writer.commit(states[0], 1)
+                continue
+            for version, state in enumerate(states, 1):
+                writer.commit(state, version)
+                assert writer._stager is None
+                newest, k = slots.committed()[0]
+                assert newest == version
+                assert torch.equal(slots.data[k][: manifest.nbytes], codec.pack(state).buffer)
+            assert "copy tensor by tensor" in caplog.text
+        finally:
+            writer.close()
+            slots.close()
+
+
+def test_clearing_cuda_s_last_error_is_a_no_op_without_the_cuda_runtime():
+    from ffstate.staging import clear_cuda_error
+
+    if torch.version.cuda:
+        pytest.skip("a CUDA build of torch: its runtime is loaded (the GPU test registers slots)")
+    assert clear_cuda_error() is False  # no libcudart in a CPU build's process: nothing to clear, nothing raised
