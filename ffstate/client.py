@@ -196,16 +196,17 @@ class Client:
         return pb.CommitResult(version=got.committed_version, checksum=got.checksum)
 
     def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1,
-                     sink: Callable[[int, Chunk], None] | None = None, chunks: Sequence[int] = ()
-                     ) -> list[tuple[int, Chunk]]:
+                     sink: Callable[[int, Chunk], None] | None = None, chunks: Sequence[int] = (),
+                     checksum: int = 0) -> list[tuple[int, Chunk]]:
         """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon, or, with
-        ``chunks`` (ascending indices), for the entries first, first+step, ... of that list.
+        ``chunks`` (ascending indices), for the entries first, first+step, ... of that list; with ``checksum``, only
+        from a copy of the version with that checksum (the daemon refuses another: FAILED_PRECONDITION).
 
         With ``sink``, each (version, chunk) goes to ``sink`` as it arrives instead (the list is
         empty); a retried stream may pass some chunks twice.
         """
         req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
-                              chunk_step=step, chunks=chunks)
+                              chunk_step=step, chunks=chunks, checksum=checksum)
 
         def run() -> list[tuple[int, Chunk]]:
             got = []
@@ -256,9 +257,10 @@ def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size:
 
 
 def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int,
-                   sink: Callable[[Chunk], None], chunks: Sequence[int] = ()) -> None:
+                   sink: Callable[[Chunk], None], chunks: Sequence[int] = (), checksum: int = 0) -> None:
     """Streams one version from several holders in parallel, chunk i from holder i mod k, into ``sink``; with
-    ``chunks`` (ascending indices), only those, the i-th of the list from holder i mod k.
+    ``chunks`` (ascending indices), only those, the i-th of the list from holder i mod k (no more stripes than
+    chunks); with ``checksum``, only from copies of the version with that checksum.
 
     ``sink`` gets each chunk as it arrives, from one thread per holder (``codec.Decoder.add``
     decodes while the rest is on the wire). Full encodings of one version are deterministic, so the
@@ -268,14 +270,14 @@ def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size
     """
     if version <= 0:
         raise ValueError("fetching from several holders needs an explicit version: their newest may differ")
-    k = len(clients)
+    k = min(len(clients), len(chunks)) if chunks else len(clients)
 
     def stripe(i: int) -> None:
         last: Exception | None = None
-        for j in range(k):
+        for j in range(len(clients)):
             try:
-                clients[(i + j) % k].fetch_chunks(job_id, rank, world_size, version, first=i, step=k,
-                                                  sink=lambda _, c: sink(c), chunks=chunks)
+                clients[(i + j) % len(clients)].fetch_chunks(job_id, rank, world_size, version, first=i, step=k,
+                                                             sink=lambda _, c: sink(c), chunks=chunks, checksum=checksum)
                 return
             except ReplicaError as e:
                 last = e

@@ -211,9 +211,11 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
         decoder = codec.Decoder(max_nbytes=mine.nbytes or None, want=razor.in_part if part else None)
         clients = [holders[a] for a in sources]
         try:
-            if part:  # the header says which segments hold the part: those alone come next
+            if part:  # the header says which segments hold the part: those alone come next, from copies of its bytes
                 stream_striped(clients, job, rank, world, version, decoder.add, chunks=[0])
-                stream_striped(clients, job, rank, world, version, decoder.add, chunks=decoder.needed or [0])
+                if decoder.needed is not None and len(decoder.needed) > 1:
+                    stream_striped(clients, job, rank, world, version, decoder.add, chunks=decoder.needed[1:],
+                                   checksum=int(decoder.header["checksum"], 16))
             else:
                 stream_striped(clients, job, rank, world, version, decoder.add)
             return decoder.state(), ",".join(sources), decoder.part_nbytes

@@ -129,18 +129,20 @@ class CommitResult(_message.Message):
     def __init__(self, version: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("shard", "version", "first_chunk", "chunk_step", "chunks")
+    __slots__ = ("shard", "version", "first_chunk", "chunk_step", "chunks", "checksum")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_FIELD_NUMBER: _ClassVar[int]
     CHUNK_STEP_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     version: int
     first_chunk: int
     chunk_step: int
     chunks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., first_chunk: _Optional[int] = ..., chunk_step: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ...) -> None: ...
+    checksum: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., first_chunk: _Optional[int] = ..., chunk_step: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class FetchChunk(_message.Message):
     __slots__ = ("version", "chunk_index", "chunk_count", "checksum", "payload")

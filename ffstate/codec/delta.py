@@ -34,6 +34,21 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
         raise CodecError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    head, header, segs = _head(snapshot, base, chunk_bytes)
+    buf = snapshot.buffer
+    return Packed([head, *_encode_groups(buf, None if base is None else base.buffer, segs, head.count, codec)], header)
+
+
+def encode_header(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
+    """The header chunk alone of ``encode_snapshot(snapshot)`` (a full version): what a fetch of chunk 0 needs,
+    without encoding the segments."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    head, header, _ = _head(snapshot, None, chunk_bytes)
+    return Packed([head], header)
+
+
+def _head(snapshot: Snapshot, base: Snapshot | None, chunk_bytes: int) -> tuple[Chunk, dict, list]:
     m = snapshot.manifest
     checksum = buffer_checksum(snapshot.buffer) if snapshot.checksum is None else snapshot.checksum
     header: dict[str, Any] = {
@@ -43,7 +58,6 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
         "checksum": f"{checksum:016x}",
         "chunk_bytes": chunk_bytes,
     }
-    buf = snapshot.buffer
     if base is None:
         header.update(kind="full", manifest=json.loads(m.to_json()))
     else:
@@ -51,9 +65,7 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
             raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
         header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
     segs = segments(m, chunk_bytes)
-    count = 1 + len(segs)
-    head = Chunk.of(0, count, json.dumps(header, separators=(",", ":")).encode())
-    return Packed([head, *_encode_groups(buf, None if base is None else base.buffer, segs, count, codec)], header)
+    return Chunk.of(0, 1 + len(segs), json.dumps(header, separators=(",", ":")).encode()), header, segs
 
 
 def decode_snapshot(

@@ -116,6 +116,7 @@ def unpack(snapshot: Snapshot, map_location: Any = None) -> Any:
 # copies out and then hashes while it is in cache (whole checksum pieces: the sum splits at piece boundaries).
 _PIECE_BYTES = 1 << 20
 TASK_BYTES = 4 * checksum.PIECE_BYTES
+assert _PIECE_BYTES <= TASK_BYTES  # a piece runs past its task's end by less than a task (the decoder's plan needs it)
 _SMALL_BYTES = 64 << 10  # pieces below this are copied together, by one call per task
 
 

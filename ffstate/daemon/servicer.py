@@ -43,16 +43,12 @@ def _key(msg: pb.ShardKey) -> ShardKey:
     return ShardKey(msg.job_id, msg.rank, msg.world_size)
 
 
-def _chosen(chunks: list, wanted: Any) -> list:
-    """The chunks a fetch names (``FetchRequest.chunks``), checked in time proportional to the list sent."""
-    out, last = [], -1
-    for i in wanted:
-        if not last < i < len(chunks):
-            raise ReplicaError(f"fetch names chunk {i} after {last}: chunk indices must ascend and stay below the "
-                               f"version's {len(chunks)} chunks", "INVALID_ARGUMENT")
-        out.append(chunks[i])
-        last = i
-    return out
+def _ascending(wanted: list[int]) -> None:
+    """The chunk indices a fetch names (``FetchRequest.chunks``) must ascend: checked in time proportional to the list
+    sent, before the daemon copies or encodes anything."""
+    for a, b in zip(wanted, wanted[1:]):
+        if b <= a:
+            raise ReplicaError(f"fetch names chunk {b} after {a}: chunk indices must ascend", "INVALID_ARGUMENT")
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -187,11 +183,21 @@ class Servicer:
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         def fetch() -> tuple[int, list, int]:
-            version, packed, reserved = self.node.fetch(_key(request.shard), request.version)
-            if not request.chunks:
-                return version, packed.chunks, reserved
+            wanted = list(request.chunks)
+            _ascending(wanted)  # before anything is copied or encoded
+            version, packed, reserved = self.node.fetch(_key(request.shard), request.version, header_only=wanted == [0])
             try:
-                return version, _chosen(packed.chunks, request.chunks), reserved
+                if request.checksum and packed.checksum != request.checksum:
+                    raise ReplicaError(f"version {version} of {_key(request.shard)} here has checksum "
+                                       f"{packed.checksum:016x}, not the {request.checksum:016x} asked for: another "
+                                       "copy of that version", "FAILED_PRECONDITION")
+                if not wanted:
+                    return version, packed.chunks, reserved
+                count = packed.chunks[0].count  # a header-only encoding (wanted == [0]) holds chunk 0 alone
+                if wanted[-1] >= count:
+                    raise ReplicaError(f"fetch names chunk {wanted[-1]}: the version has {count} chunks (indices "
+                                       "must stay below it)", "INVALID_ARGUMENT")
+                return version, [packed.chunks[i] for i in wanted], reserved
             except ReplicaError:
                 self.node.release(reserved)
                 raise

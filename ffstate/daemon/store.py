@@ -280,8 +280,9 @@ class Store:
             raise ReplicaError(f"no replica of {key} is held here", "NOT_FOUND")
         return held
 
-    def fetch(self, key: ShardKey, version: int = 0) -> tuple[int, Packed]:
-        """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed.
+    def fetch(self, key: ShardKey, version: int = 0, header_only: bool = False) -> tuple[int, Packed]:
+        """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed;
+        ``header_only``: its header chunk alone, where that needs no encoding (the newest version).
 
         The encoding stays cached, and counted against the budget, until another is served or the
         budget needs the room.
@@ -293,6 +294,8 @@ class Store:
                 served = self._served
             if served is not None and served[:3] == (key, version, held.snapshot.checksum):
                 return version, served[3]
+            if header_only and version == held.version:
+                return version, codec.encode_header(held.snapshot)
             if version == held.version:
                 return version, self._remember(key, version, held.snapshot.checksum,
                                                codec.encode_snapshot(held.snapshot))

@@ -162,8 +162,8 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job_id(cfg)}"
     if placement.is_local(host):
         ensure(host, port, run_dir)
-    heartbeat(host, port)
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
+    heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     abort = GroupAbort()
     assignment = NodeSpares(layout)

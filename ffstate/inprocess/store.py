@@ -38,7 +38,7 @@ def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> None:
     the store at ``host:port`` every ``every`` seconds, on a connection of its own."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=START_WAIT * 5))
 
     def beat() -> None:
         while True:

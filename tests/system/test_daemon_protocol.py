@@ -105,11 +105,45 @@ def test_a_fetch_of_named_chunks_streams_those_alone_and_a_bad_list_is_refused(s
         assert [bytes(ch.payload) for _, ch in got] == [bytes(whole.chunks[i].payload) for i in named]
         odd = c.fetch_chunks(JOB, 0, 1, 1, first=1, step=2, chunks=named)  # a stripe of the list
         assert [ch.index for _, ch in odd] == [2]
+        head = c.fetch_chunks(JOB, 0, 1, 1, chunks=[0])  # the header alone: made without encoding the segments
+        assert [(ch.index, ch.count, bytes(ch.payload)) for _, ch in head] == [(0, n, bytes(whole.chunks[0].payload))]
         for bad, text in (([3, 2], "ascend"), ([0, 0], "ascend"), ([0, n], f"{n} chunks"), ([1 << 31], "below")):
             with pytest.raises(ReplicaError, match=text) as e:
                 c.fetch_chunks(JOB, 0, 1, 1, chunks=bad)
             assert e.value.code == "INVALID_ARGUMENT"
+        assert len(c.fetch_chunks(JOB, 0, 1, 1, chunks=named, checksum=whole.checksum)) == len(named)
+        with pytest.raises(ReplicaError, match="another copy") as e:
+            c.fetch_chunks(JOB, 0, 1, 1, chunks=named, checksum=whole.checksum ^ 1)
+        assert e.value.code == "FAILED_PRECONDITION"
     assert_still_version_1(d, states)
+
+
+def test_a_part_fetched_from_holders_whose_copies_of_a_version_differ_comes_from_the_header_s_copy(daemons):
+    """Two holders each hold a version 1 of one shard, with other bytes (one missed a step back, say). A razor
+    restore's part, its header from the first and its segments striped over both with the header's checksum, comes
+    from the first's bytes alone: the second refuses its stripe, which the first serves; never a mix."""
+    import torch
+
+    from ffstate.client import stream_striped
+    from ffstate.razor import Groups, Plan, in_part, split
+
+    group = (0, 1)
+    shards = []
+    for fill in (1.0, 2.0):
+        state = {"model": {"w": torch.full((2_000_000,), fill)}, "optim": torch.full((500_000,), fill)}
+        shards.append(split(state, Plan.of(state, Groups(group, ("model",), "t")), 1))
+    a, b = daemons.start(), daemons.start()
+    for d, shard in ((a, shards[0]), (b, shards[1])):
+        with d.client() as c:
+            c.push_and_commit("mix", 1, 2, 1, codec.encode(shard, chunk_bytes=64 << 10))
+    with a.client() as ca, b.client() as cb:
+        dec = codec.Decoder(want=in_part)
+        stream_striped([ca], "mix", 1, 2, 1, dec.add, chunks=[0])
+        assert len(dec.needed) > 3
+        stream_striped([ca, cb], "mix", 1, 2, 1, dec.add, chunks=dec.needed[1:],
+                       checksum=int(dec.header["checksum"], 16))
+        got = dec.state()
+    assert_bitwise_equal(got["razor"]["part"], shards[0]["razor"]["part"])
 
 
 def corrupt(msgs, i):

@@ -172,21 +172,20 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
     own node: a process elsewhere (here one with no file in any run folder) keeps it past its idle exit, and once
     the last heartbeat stops the host exits on its own."""
     port = free_ports(1)
-    host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port), "2"])
-    beater = None
+    # The process that beats is started first and waits, torch imported, for the host to listen (as a process on
+    # another node may): its first beat then comes within the host's idle exit however loaded the machine is.
+    beater = subprocess.Popen([sys.executable, "-c", "import sys, time\nimport torch.distributed\n"
+                               "from ffstate.inprocess.store import heartbeat\nprint('ready', flush=True)\n"
+                               f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(12)"], stdout=subprocess.PIPE,
+                              text=True)
+    host = None
     try:
-        from ffstate.inprocess.store import listening
-
-        deadline = time.monotonic() + 60
-        while not listening("127.0.0.1", port):
-            assert time.monotonic() < deadline and host.poll() is None
-            time.sleep(0.1)
-        beater = subprocess.Popen([sys.executable, "-c", "import time\nfrom ffstate.inprocess.store import heartbeat\n"
-                                   f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(8)"])
-        time.sleep(6)  # three idle exits
+        assert beater.stdout.readline().strip() == "ready"
+        host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port), "4"])
+        time.sleep(10)  # more than twice the idle exit, from the host's start
         assert host.poll() is None, "the host left while a process of the job was beating"
         assert beater.wait(60) == 0
-        assert host.wait(60) == 0  # no heartbeat for 2 s: it exits, cleanly
+        assert host.wait(60) == 0  # no heartbeat for 4 s: it exits, cleanly
     finally:
         for p in (host, beater):
             if p is not None and p.poll() is None:
