@@ -71,8 +71,12 @@ scrape_configs:
             time.sleep(2)
             missing = [(title, q) for title, q in missing if not result(web, q)]
     finally:
-        job.kill()
-        job.wait(30)
+        job.terminate()  # torchrun's agent stops its workers (each in a session of its own) before it exits
+        try:
+            job.wait(60)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            job.wait(30)
         prometheus.terminate()
         prometheus.wait(30)
         for pid_file in out.glob("ffstate-*/daemon-*.pid"):
