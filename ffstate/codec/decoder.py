@@ -4,8 +4,8 @@ tensors (``want``): the header first, then just the segments that hold them (``n
 
 from __future__ import annotations
 
-import json
 import bisect
+import json
 import threading
 from dataclasses import replace
 from typing import Any, Callable
@@ -169,7 +169,7 @@ class Decoder:
             if not self._want(spec.name):
                 leaves.append(torch.empty(spec.shape, dtype=layout.DTYPES[spec.dtype], device="meta"))
                 continue
-            leaf = layout.empty_leaves(replace(self._manifest, tensors=(spec,)))[0]
+            leaf = layout.empty_leaves(replace(self._manifest, tensors=(spec,)))[0]  # this one leaf alone
             if spec.nbytes:
                 layout.leaf_bytes(leaf).copy_(self._out[spec.offset : spec.offset + spec.nbytes])
             leaves.append(leaf)
