@@ -39,13 +39,24 @@ def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_byte
     return Packed([head, *_encode_groups(buf, None if base is None else base.buffer, segs, head.count, codec)], header)
 
 
-def encode_header(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Packed:
-    """The header chunk alone of ``encode_snapshot(snapshot)`` (a full version): what a fetch of chunk 0 needs,
-    without encoding the segments."""
+def encode_chunks(snapshot: Snapshot, indices: Sequence[int], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  codec: str = "lz4") -> Packed:
+    """Chunks ``indices`` (ascending) of ``encode_snapshot(snapshot)`` (a full version), the same bytes, the others
+    not encoded: a fetch of some chunks (a razor part's, or the header alone) costs what it asks for.
+
+    Raises:
+        CodecError: an index is not one of the version's chunks, or they do not ascend.
+    """
+    if codec not in CODECS:
+        raise CodecError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
     if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
-    head, header, _ = _head(snapshot, None, chunk_bytes)
-    return Packed([head], header)
+    head, header, segs = _head(snapshot, None, chunk_bytes)
+    if any(b <= a for a, b in zip(indices, indices[1:])) or (indices and not 0 <= indices[0] <= indices[-1] < head.count):
+        raise CodecError(f"chunks named {list(indices[:3])}...{list(indices[-1:])}: chunk indices must ascend and "
+                         f"stay below the version's {head.count} chunks")
+    body = _encode_groups(snapshot.buffer, None, segs, head.count, codec, [i - 1 for i in indices if i])
+    return Packed([head, *body] if indices and indices[0] == 0 else body, header)
 
 
 def _head(snapshot: Snapshot, base: Snapshot | None, chunk_bytes: int) -> tuple[Chunk, dict, list]:
@@ -159,10 +170,12 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
 
 
 def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tuple[int, int, int]], count: int,
-                   codec: str) -> list[Chunk]:
-    """The chunks 1.. of a version: each segment of ``buf`` (XOR ``base``) encoded and checksummed in one task."""
+                   codec: str, only: Sequence[int] | None = None) -> list[Chunk]:
+    """The chunks 1.. of a version (``only``: of these segments): each segment of ``buf`` (XOR ``base``) encoded and
+    checksummed in one task."""
     host = buf.cpu().numpy()
     base_host = None if base is None else base.cpu().numpy()
+    chosen = range(len(segs)) if only is None else only
 
     def encode_one(i: int) -> Chunk:
         off, n, size = segs[i]
@@ -170,7 +183,8 @@ def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tupl
         body = encode_segment(host[off:end], None if base_host is None else base_host[off:end], size, off, codec)
         return Chunk.of(i + 1, count, body)
 
-    return _map(encode_one, range(len(segs)), inline=buf.numel() < POOL_MIN_BYTES)
+    work = sum(segs[i][1] * segs[i][2] for i in chosen) if only is not None else buf.numel()
+    return _map(encode_one, chosen, inline=work < POOL_MIN_BYTES)
 
 
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor,

@@ -16,7 +16,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from ffstate import codec, persist, shm
 from ffstate.client import Client, Tls
@@ -256,11 +256,11 @@ class Node:
     def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
         return self.store.step_back(key, version)
 
-    def fetch(self, key: ShardKey, version: int, header_only: bool = False) -> tuple[int, Packed, int]:
-        """(version, full encoding or its header alone, bytes to ``release`` once streamed) of a rank or a replica."""
+    def fetch(self, key: ShardKey, version: int, only: Sequence[int] = ()) -> tuple[int, Packed, int]:
+        """(version, full encoding or the chunks ``only``, bytes to ``release`` once streamed) of a rank or replica."""
         shard = self.local.get(key)
         if shard is None:
-            return (*self.store.fetch(key, version, header_only), 0)  # the store keeps (and counts) what it serves
+            return (*self.store.fetch(key, version, only), 0)  # the store keeps (and counts) what it serves
         nbytes = shard.manifest.nbytes
         self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
         try:
@@ -273,7 +273,7 @@ class Node:
                 raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
                                    f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
                                    f"({shard.versions_back()})", "NOT_FOUND")
-            return got[0], codec.encode_header(got[1]) if header_only else codec.encode_snapshot(got[1]), 2 * nbytes
+            return got[0], codec.encode_chunks(got[1], only) if only else codec.encode_snapshot(got[1]), 2 * nbytes
         except BaseException:
             self.store.release(2 * nbytes)
             raise

@@ -185,16 +185,16 @@ class Servicer:
         def fetch() -> tuple[int, list, int]:
             wanted = list(request.chunks)
             _ascending(wanted)  # before anything is copied or encoded
-            version, packed, reserved = self.node.fetch(_key(request.shard), request.version, header_only=wanted == [0])
+            version, packed, reserved = self.node.fetch(_key(request.shard), request.version, wanted)
             try:
                 if request.checksum and packed.checksum != request.checksum:
                     raise ReplicaError(f"version {version} of {_key(request.shard)} here has checksum "
                                        f"{packed.checksum:016x}, not the {request.checksum:016x} asked for: another "
                                        "copy of that version", "FAILED_PRECONDITION")
-                if not wanted:
+                count = packed.chunks[0].count if packed.chunks else 0
+                if not wanted or len(packed.chunks) != count:  # everything, or the chunks named alone
                     return version, packed.chunks, reserved
-                count = packed.chunks[0].count  # a header-only encoding (wanted == [0]) holds chunk 0 alone
-                if wanted[-1] >= count:
+                if wanted[-1] >= count:  # a whole encoding at hand (cached): the chunks named, from it
                     raise ReplicaError(f"fetch names chunk {wanted[-1]}: the version has {count} chunks (indices "
                                        "must stay below it)", "INVALID_ARGUMENT")
                 return version, [packed.chunks[i] for i in wanted], reserved

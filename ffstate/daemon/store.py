@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from ffstate import codec
 from ffstate import checksum
@@ -280,9 +280,10 @@ class Store:
             raise ReplicaError(f"no replica of {key} is held here", "NOT_FOUND")
         return held
 
-    def fetch(self, key: ShardKey, version: int = 0, header_only: bool = False) -> tuple[int, Packed]:
+    def fetch(self, key: ShardKey, version: int = 0, only: Sequence[int] = ()) -> tuple[int, Packed]:
         """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed;
-        ``header_only``: its header chunk alone, where that needs no encoding (the newest version).
+        ``only``: just those chunks where no whole encoding is at hand (the newest version, not cached): a fetch by
+        name encodes what it asks for.
 
         The encoding stays cached, and counted against the budget, until another is served or the
         budget needs the room.
@@ -294,8 +295,8 @@ class Store:
                 served = self._served
             if served is not None and served[:3] == (key, version, held.snapshot.checksum):
                 return version, served[3]
-            if header_only and version == held.version:
-                return version, codec.encode_header(held.snapshot)
+            if only and version == held.version:
+                return version, codec.encode_chunks(held.snapshot, only)
             if version == held.version:
                 return version, self._remember(key, version, held.snapshot.checksum,
                                                codec.encode_snapshot(held.snapshot))

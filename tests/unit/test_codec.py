@@ -390,6 +390,24 @@ def test_a_streamed_version_is_copied_out_as_its_segments_land_and_ends_bit_exac
     assert_bitwise_equal(dec.state(), state)
 
 
+def test_chunks_encoded_by_name_are_the_whole_encoding_s_and_bad_names_are_refused(pair):
+    """``encode_chunks``: what a fetch of some chunks encodes (a razor part's segments, or the header alone), the same
+    bytes as the whole encoding's at those indices; indices that do not ascend or pass the end are refused."""
+    _, s1, _, _ = pair
+    snapshot = codec.pack(s1)
+    whole = codec.encode_snapshot(snapshot, chunk_bytes=16 << 10)
+    n = len(whole.chunks)
+    assert n > 6
+    for names in ([0], [0, 2, n - 1], [1, 3], list(range(n))):
+        got = codec.encode_chunks(snapshot, names, chunk_bytes=16 << 10)
+        assert [(c.index, c.count, c.checksum, bytes(c.payload)) for c in got.chunks] == \
+            [(c.index, c.count, c.checksum, bytes(c.payload)) for c in (whole.chunks[i] for i in names)]
+        assert got.checksum == whole.checksum
+    for bad in ([2, 1], [0, 0], [0, n], [-1]):
+        with pytest.raises(CodecError, match="must ascend and stay below"):
+            codec.encode_chunks(snapshot, bad, chunk_bytes=16 << 10)
+
+
 def test_unpack_verified_sums_what_it_copies_bit_exact():
     """One pass: the copies are the state, their sum is the buffer's checksum (padding and tails included)."""
     state = {"a": torch.arange(13, dtype=torch.uint8), "b": torch.randn(3, 5, dtype=torch.float64),
