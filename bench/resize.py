@@ -33,10 +33,29 @@ from ffstate.bench._report import free_ports
 WORKER = ["-m", "ffstate.bench._resize_worker"]
 
 
-def _torchrun(world: int, args: list[str], env: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+def _torchrun(world: int, args: list[str], env: dict, log: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A torchrun launch of the worker, its output written whole to ``log`` too."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            "--max-restarts", "0", *WORKER, *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    log.write_text(done.stdout + done.stderr)
+    return done
+
+
+class _KeptOnFailure:
+    """A benchmark's folder, removed when the benchmark succeeds, kept (and said where) when it fails."""
+
+    def __init__(self, prefix: str):
+        self.path = Path(tempfile.mkdtemp(prefix=prefix))
+
+    def __enter__(self) -> Path:
+        return self.path
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            print(f"ffstate bench recovery failed; its logs are kept in {self.path}", file=sys.stderr)
 
 
 def _kill_daemons(run_dir: Path) -> None:
@@ -48,26 +67,28 @@ def _kill_daemons(run_dir: Path) -> None:
 
 
 def measure_resize(size: str, repeats: int, world: int = 4, new_world: int = 2, steps: int = 5) -> dict:
-    work = Path(tempfile.mkdtemp(prefix="ffstate-resize-"))
     job = f"bench-resize-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job,
-           "FFSTATE_TOKEN": secrets.token_hex(8), "FFSTATE_BASE_PORT": str(free_ports(2)), "OMP_NUM_THREADS": "1",
-           "TMPDIR": str(work)}
-    try:
-        common = ["--out", str(work), "--size", size]
-        trained = _torchrun(world, [*common, "--phase", "train", "--steps", str(steps)],
-                            {**env, "FFSTATE_SIMULATED_NODES": "2"})
-        killed = json.loads((work / "killed.json").read_text()) if (work / "killed.json").exists() else None
-        if killed is None:
-            raise RuntimeError(f"the {world}-rank job did not get to the node's loss: {trained.stderr[-3000:]}")
-        resized = _torchrun(new_world, [*common, "--phase", "resize", "--repeats", str(repeats)],
-                            {**env, "FFSTATE_SIMULATED_NODES": "1"})
-        if resized.returncode != 0:
-            raise RuntimeError(f"the {new_world}-rank job failed: {resized.stderr[-3000:]}")
-        got = json.loads((work / "resize.json").read_text())
-    finally:
-        _kill_daemons(work / f"ffstate-{job}")
-        shutil.rmtree(work, ignore_errors=True)
+    with _KeptOnFailure("ffstate-resize-") as work:
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job,
+               "FFSTATE_TOKEN": secrets.token_hex(8), "FFSTATE_BASE_PORT": str(free_ports(2)), "OMP_NUM_THREADS": "1",
+               "TMPDIR": str(work)}
+        try:
+            common = ["--out", str(work), "--size", size]
+            trained = _torchrun(world, [*common, "--phase", "train", "--steps", str(steps)],
+                                {**env, "FFSTATE_SIMULATED_NODES": "2"}, work / "train.log")
+            killed = json.loads((work / "killed.json").read_text()) if (work / "killed.json").exists() else None
+            if killed is None:
+                raise RuntimeError(f"the {world}-rank job did not get to the node's loss (its log: {work}/train.log): "
+                                   f"{trained.stderr[-3000:]}")
+            resized = _torchrun(new_world, [*common, "--phase", "resize", "--repeats", str(repeats)],
+                                {**env, "FFSTATE_SIMULATED_NODES": "1"}, work / "resize.log")
+            if resized.returncode != 0:
+                raise RuntimeError(f"the {new_world}-rank job failed (its log: {work}/resize.log; resize.json "
+                                   f"{'written' if (work / 'resize.json').exists() else 'not written'}): "
+                                   f"{resized.stderr[-3000:]}")
+            got = json.loads((work / "resize.json").read_text())
+        finally:
+            _kill_daemons(work / f"ffstate-{job}")
     ranks = got["ranks"]
     slowest = {k: max(r[k] for r in ranks) for k in ("ffstate", "ffstate restore", "dcp.load")}
     return {"size": size, "world": world, "new_world": new_world, "state_bytes_per_old_rank": ranks[0]["nbytes"],
@@ -83,52 +104,51 @@ def measure_drain(size: str, steps: int = 400) -> dict:
     why = netns.unavailable()
     if why:
         return {"skipped": why}
-    work = Path(tempfile.mkdtemp(prefix="ffstate-drain-"))
-    job, port = f"bench-drain-{uuid.uuid4().hex[:6]}", random.randint(20000, 60000)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("FFSTATE_")},
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "OMP_NUM_THREADS": "1",
-           "FFSTATE_BASE_PORT": str(random.randint(20000, 60000))}
-    agents = []
-    try:
-        with netns.shaped_link("1gbit") as link:
-            for node in (0, 1):
-                (work / f"node{node}").mkdir()
-                args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}", "--rdzv-id", job,
-                        "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=2,keep_alive_interval=1,"
-                        "keep_alive_max_attempt=3", "--local-addr", link.addresses[node], "--max-restarts", "3",
-                        *WORKER, "--out", str(work), "--size", size, "--phase", "elastic", "--steps", str(steps),
-                        "--step-seconds", "0.1"]
-                log = open(work / f"agent{node}.log", "w")
-                agents.append(subprocess.Popen(link.cmd(node, args), stdout=log, stderr=subprocess.STDOUT, env={
-                                                   **env, "GLOO_SOCKET_IFNAME": link.devices[node],
-                                                   "TMPDIR": str(work / f"node{node}")}))
-            progress = work / "progress.jsonl"
+    with _KeptOnFailure("ffstate-drain-") as work:
+        job, port = f"bench-drain-{uuid.uuid4().hex[:6]}", random.randint(20000, 60000)
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("FFSTATE_")},
+               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "OMP_NUM_THREADS": "1",
+               "FFSTATE_BASE_PORT": str(random.randint(20000, 60000))}
+        agents = []
+        try:
+            with netns.shaped_link("1gbit") as link:
+                for node in (0, 1):
+                    (work / f"node{node}").mkdir()
+                    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{link.addresses[0]}:{port}", "--rdzv-id", job,
+                            "--rdzv-conf", f"is_host={int(node == 0)},last_call_timeout=2,keep_alive_interval=1,"
+                            "keep_alive_max_attempt=3", "--local-addr", link.addresses[node], "--max-restarts", "3",
+                            *WORKER, "--out", str(work), "--size", size, "--phase", "elastic", "--steps", str(steps),
+                            "--step-seconds", "0.1"]
+                    log = open(work / f"agent{node}.log", "w")
+                    agents.append(subprocess.Popen(link.cmd(node, args), stdout=log, stderr=subprocess.STDOUT, env={
+                                                       **env, "GLOO_SOCKET_IFNAME": link.devices[node],
+                                                       "TMPDIR": str(work / f"node{node}")}))
+                progress = work / "progress.jsonl"
 
-            def rows() -> list[dict]:
-                return [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
+                def rows() -> list[dict]:
+                    return [json.loads(x) for x in progress.read_text().splitlines()] if progress.exists() else []
 
-            deadline = time.monotonic() + 300
-            while not any(r["world"] == 4 and r["step"] >= 10 for r in rows()) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            run_dir = work / "node1" / f"ffstate-{job}"
-            address = (run_dir / "daemon-node1.address").read_text()
-            token = (run_dir / "token").read_text().strip()
-            try:
-                report = _drain_in_namespace(link, 1, address, token, job)
-            except RuntimeError as e:
-                raise RuntimeError(f"{e}\nprogress: {rows()[-3:]}\n" + "".join(
-                    (work / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))) from None
-            requested = report.requested_unix  # the daemon's clock: the request itself, not this tool's start
-            while not any(r["world"] == 2 and r["time"] > requested for r in rows()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            first = next(r for r in rows() if r["world"] == 2 and r["time"] > requested)
-            last_at_4 = max(r["step"] for r in rows() if r["world"] == 4)
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-        shutil.rmtree(work, ignore_errors=True)
+                deadline = time.monotonic() + 300
+                while not any(r["world"] == 4 and r["step"] >= 10 for r in rows()) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                run_dir = work / "node1" / f"ffstate-{job}"
+                address = (run_dir / "daemon-node1.address").read_text()
+                token = (run_dir / "token").read_text().strip()
+                try:
+                    report = _drain_in_namespace(link, 1, address, token, job)
+                except RuntimeError as e:
+                    raise RuntimeError(f"{e}\nprogress: {rows()[-3:]}\n" + "".join(
+                        (work / f"agent{n}.log").read_text()[-3000:] for n in (0, 1))) from None
+                requested = report.requested_unix  # the daemon's clock: the request itself, not this tool's start
+                while not any(r["world"] == 2 and r["time"] > requested for r in rows()) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                first = next(r for r in rows() if r["world"] == 2 and r["time"] > requested)
+                last_at_4 = max(r["step"] for r in rows() if r["world"] == 4)
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    a.kill()
     return {"size": size, "stopped_at": report.version, "last_step_at_4": last_at_4,
             "first_step_after": first["step"], "steps_lost": last_at_4 - (first["step"] - 1),
             "drained_seconds": report.drained_unix - report.requested_unix,
