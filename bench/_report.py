@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -150,3 +154,16 @@ def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     line = lambda r: "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+@contextlib.contextmanager
+def kept_on_failure(benchmark: str, part: str = "") -> Iterator[Path]:
+    """A benchmark's working folder: removed when the benchmark succeeds, kept when it fails, with what tells why
+    (torchrun's, the daemons' and the ranks' logs), and the folder named on stderr."""
+    work = Path(tempfile.mkdtemp(prefix=f"ffstate-{part or benchmark}-"))
+    try:
+        yield work
+    except BaseException:
+        print(f"ffstate bench {benchmark} failed; its logs are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)

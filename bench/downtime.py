@@ -29,15 +29,13 @@ import logging
 import math
 import os
 import secrets
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from ffstate.bench._report import environment, free_ports, publish, pyplot, table
+from ffstate.bench._report import environment, free_ports, kept_on_failure, publish, pyplot, table
 from ffstate.testing.bitwise import compare_runs
 
 log = logging.getLogger("ffstate.bench.downtime")
@@ -135,8 +133,7 @@ def run(failures: int, gap: int, step_seconds: float, out_dir: Path, timeout: fl
               "config": {"ranks": RANKS, "nodes": NODES, "failures": failures, "gap": gap, "steps": steps,
                          "step_seconds": step_seconds, "spares_per_node": math.ceil(failures / NODES),
                          "schedule": plan}, "modes": {}}
-    work = Path(tempfile.mkdtemp(prefix="ffstate-downtime-"))
-    try:
+    with kept_on_failure("downtime") as work:
         for mode, runner in (("torchrun", run_torchrun), ("inprocess", run_inprocess)):
             d = work / mode
             d.mkdir()
@@ -150,10 +147,6 @@ def run(failures: int, gap: int, step_seconds: float, out_dir: Path, timeout: fl
         result["same_final_state"] = not diffs
         if diffs:  # the two modes trained the same job through the same failures: a difference is a bug
             raise RuntimeError(f"the two modes ended in different states ({len(diffs)} differences), e.g. {diffs[:3]}")
-    except BaseException:
-        print(f"ffstate bench downtime failed; its logs are kept in {work}", file=sys.stderr)
-        raise
-    shutil.rmtree(work, ignore_errors=True)
     return publish(out_dir, "downtime", result, report, plot)
 
 

@@ -53,11 +53,10 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ffstate.bench import netns
-from ffstate.bench._report import environment, free_ports, publish, pyplot, table
+from ffstate.bench._report import environment, free_ports, kept_on_failure, publish, pyplot, table
 from ffstate.bench.codec import SIZES
 from ffstate.cli import nice_level
 
@@ -229,8 +228,7 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
                          "pin": ":".join(pin) if pin else None,
                          "nodes": NODES, "replicas": 1, "links": links, "hook": hook},
               "jobs": {}}
-    tmp = Path(tempfile.mkdtemp(prefix="ffstate-overhead-"))
-    try:
+    with kept_on_failure("overhead") as tmp:
         for where in links:
             for parallel in parallels:
                 opts = dict(per_node=per_node, batch=batch, share=share, nice=nice, measure_link=measure_link, pin=pin,
@@ -241,10 +239,6 @@ def run(parallels: list[str], modes: list[str], steps: int, repeats: int, size: 
                     with netns.shaped_link(where) as link:
                         ranks = run_job(parallel, modes, steps, repeats, size, tmp, link, **opts)
                 result["jobs"][f"{parallel} @ {where}"] = summarize(parallel, ranks, modes, repeats)
-    except BaseException:  # a failed run keeps what tells why: torchrun's, the daemons' and the ranks' logs
-        print(f"ffstate bench overhead failed; its logs are kept in {tmp}", file=sys.stderr)
-        raise
-    shutil.rmtree(tmp, ignore_errors=True)
     return publish(out_dir, "overhead", result, report, plot)
 
 

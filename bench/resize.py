@@ -20,15 +20,13 @@ import json
 import os
 import random
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from ffstate.bench._report import free_ports
+from ffstate.bench._report import free_ports, kept_on_failure
 
 WORKER = ["-m", "ffstate.bench._resize_worker"]
 
@@ -42,22 +40,6 @@ def _torchrun(world: int, args: list[str], env: dict, log: Path, timeout: float 
     return done
 
 
-class _KeptOnFailure:
-    """A benchmark's folder, removed when the benchmark succeeds, kept (and said where) when it fails."""
-
-    def __init__(self, prefix: str):
-        self.path = Path(tempfile.mkdtemp(prefix=prefix))
-
-    def __enter__(self) -> Path:
-        return self.path
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            print(f"ffstate bench recovery failed; its logs are kept in {self.path}", file=sys.stderr)
-
-
 def _kill_daemons(run_dir: Path) -> None:
     for pid_file in run_dir.glob("daemon-*.pid"):
         try:
@@ -68,7 +50,7 @@ def _kill_daemons(run_dir: Path) -> None:
 
 def measure_resize(size: str, repeats: int, world: int = 4, new_world: int = 2, steps: int = 5) -> dict:
     job = f"bench-resize-{uuid.uuid4().hex[:6]}"
-    with _KeptOnFailure("ffstate-resize-") as work:
+    with kept_on_failure("recovery", "resize") as work:
         env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job,
                "FFSTATE_TOKEN": secrets.token_hex(8), "FFSTATE_BASE_PORT": str(free_ports(2)), "OMP_NUM_THREADS": "1",
                "TMPDIR": str(work)}
@@ -104,7 +86,7 @@ def measure_drain(size: str, steps: int = 400) -> dict:
     why = netns.unavailable()
     if why:
         return {"skipped": why}
-    with _KeptOnFailure("ffstate-drain-") as work:
+    with kept_on_failure("recovery", "drain") as work:
         job, port = f"bench-drain-{uuid.uuid4().hex[:6]}", random.randint(20000, 60000)
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("FFSTATE_")},
                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job, "OMP_NUM_THREADS": "1",
