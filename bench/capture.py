@@ -6,7 +6,9 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
 - **commit**: ``ff.commit(step)`` of ``ffstate.replicate`` (capture, one copy into the shared-memory
   slot, publish), next to the two ways a user would copy the same state: into buffers that are
   already allocated and warm (**warm copy**, the floor), and into new tensors (**clone**, what a
-  snapshot in memory costs);
+  snapshot in memory costs). With ``--device cuda`` the state is on the GPU: the commit is staged and
+  returns before its copy into the slot lands, so **commit landed** (``commit`` then ``flush``) is
+  measured too, and the floor is one device-to-host copy of the state's bytes into pinned memory;
 - **local restore** (the node survived): from the node's slots into the live model and optimizer,
   checksum verified, next to a clone of the state (memory-copy speed);
 - **remote restore** (the node is new): fetched from the holder over gRPC, decoded and verified,
@@ -16,7 +18,7 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
 With ``--link RATE`` (e.g. ``1gbit``; needs root) the remote holder is another node: it runs in
 a second network namespace behind a ``tc``-shaped veth link, and the transport is that link.
 
-Usage: ``ffstate bench capture [--size medium] [--repeats 9] [--link loopback|RATE]``. Prints a
+Usage: ``ffstate bench capture [--size medium] [--repeats 9] [--link loopback|RATE] [--device cpu|cuda]``. Prints a
 table; writes ``bench/results/capture[-RATE].json`` and a PNG plot beside it.
 """
 
@@ -45,14 +47,14 @@ log = logging.getLogger("ffstate.bench.capture")
 JOB = "bench-capture"
 
 
-def _job(size: str, steps: int = 2):
+def _job(size: str, steps: int = 2, device: str = "cpu"):
     torch.manual_seed(0)
-    model = TinyGPT(**SIZES[size])
+    model = TinyGPT(**SIZES[size]).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
     vocab = model.tok.num_embeddings
     for _ in range(steps):
-        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1)))
+        loss = model.loss(torch.randint(0, vocab, (8, model.seq + 1), device=device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -72,21 +74,33 @@ def _tensors(state) -> list[torch.Tensor]:
     return out
 
 
-def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: str = "") -> dict:
+def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: str = "", device: str = "cpu") -> dict:
     """``holder`` is ``NAMESPACE@ADDRESS`` for a holder across a shaped link (``main`` sets it up)."""
     token = secrets.token_hex(8)
-    model, opt, sched = _job(size)
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: this torch sees no CUDA device")
+    model, opt, sched = _job(size, device=device)
     extra = {"epoch": 0, "offset": 0}
     state_tensors = _tensors(capture.capture(model, opt, sched, extra))
     nbytes = sum(t.numel() * t.element_size() for t in state_tensors)
     warm = [torch.empty_like(t) for t in state_tensors]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:  # the floor: one device-to-host copy of the state's bytes, into pinned memory
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def warm_copy() -> None:
-        for dst, src in zip(warm, state_tensors):
-            dst.copy_(src)
+        if cuda:
+            pinned.copy_(flat, non_blocking=True)
+        else:
+            for dst, src in zip(warm, state_tensors):
+                dst.copy_(src)
+        sync()
 
     def clone() -> None:
         [t.clone() for t in state_tensors]
+        sync()
 
     node, node_addr = start_daemon(token, memory=8 * nbytes + (256 << 20))
     holder_ns, _, holder_host = holder.partition("@")
@@ -102,8 +116,10 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                 Client(node_addr, token, timeout=60) as node_client, Client(holder_addr, token, timeout=60) as remote:
             step = iter(range(1, 1 << 30))
             ff.commit(next(step))
-            commit = median_seconds({"ffstate commit": lambda: ff.commit(next(step)), "warm copy": warm_copy,
-                                     "clone": clone}, repeats)
+            landed = lambda: (ff.commit(next(step)), ff.flush())  # noqa: E731
+            commit = median_seconds({"ffstate commit": lambda: ff.commit(next(step)), "commit landed": landed,
+                                     "warm copy": warm_copy, "clone": clone}, repeats)
+            ff.flush()
             version = ff._last
             local = node_client.lookup(JOB, 0, 1)
             mine = recovery.Available(local=[version], remote={holder_addr: [version]})
@@ -113,6 +129,7 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                 got = recovery.fetch(JOB, 0, 1, version, mine if local_msg else
                                      recovery.Available(remote=mine.remote), local_msg, holders, version)
                 capture.restore(model, opt, sched, extra, got.state)
+                sync()
 
             restore_t = median_seconds({
                 "local restore": lambda: restore(local, {}),
@@ -133,16 +150,18 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
             proc.wait(30)
     result = {
         "benchmark": "capture",
-        "environment": environment("cpu"),
+        "environment": environment(device),
         "config": {"size": size, "state_bytes": nbytes, "tensors": len(state_tensors), "repeats": repeats,
-                   "link": link},
-        "seconds": {"commit": commit["ffstate commit"], "warm_copy": commit["warm copy"],
+                   "link": link, "device": device},
+        "seconds": {"commit": commit["ffstate commit"], "commit_landed": commit["commit landed"],
+                    "warm_copy": commit["warm copy"],
                     "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
                     "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"],
                     "raw_tcp": restore_t["raw TCP"]},
     }
     s = result["seconds"]
     result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
+                        "commit_landed_over_warm_copy": s["commit_landed"] / s["warm_copy"],
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
                         "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"],
                         "remote_restore_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore"]}
@@ -155,7 +174,10 @@ def report(result: dict) -> str:
     rows = [
         ["ffstate commit", f"{s['commit'] * 1e3:.1f}", gbps(s["commit"]),
          f"{r['commit_over_warm_copy']:.2f}x warm copy, {r['commit_over_clone']:.2f}x clone"],
-        ["warm copy", f"{s['warm_copy'] * 1e3:.1f}", gbps(s["warm_copy"]), "floor"],
+        ["commit landed", f"{s['commit_landed'] * 1e3:.1f}", gbps(s["commit_landed"]),
+         f"{r['commit_landed_over_warm_copy']:.2f}x warm copy (commit, then flush)"],
+        ["warm copy", f"{s['warm_copy'] * 1e3:.1f}", gbps(s["warm_copy"]),
+         "floor: one device-to-host copy" if cfg.get("device", "cpu").startswith("cuda") else "floor"],
         ["clone", f"{s['clone'] * 1e3:.1f}", gbps(s["clone"]), "memory-copy speed"],
         ["local restore", f"{s['local_restore'] * 1e3:.1f}", gbps(s["local_restore"]),
          f"{r['local_restore_over_clone']:.2f}x clone"],
@@ -166,7 +188,8 @@ def report(result: dict) -> str:
         ["raw TCP", f"{s['raw_tcp'] * 1e3:.1f}", gbps(s["raw_tcp"]), "the link's ceiling"],
     ]
     where = "on loopback" if cfg.get("link", "loopback") == "loopback" else f"across a {cfg['link']} link"
-    head = (f"TinyGPT-{cfg['size']} + AdamW: {cfg['state_bytes'] / 1e6:.1f} MB in {cfg['tensors']} tensors, "
+    head = (f"TinyGPT-{cfg['size']} + AdamW on {cfg.get('device', 'cpu')}: {cfg['state_bytes'] / 1e6:.1f} MB in "
+            f"{cfg['tensors']} tensors, "
             f"remote holder {where}, median of {cfg['repeats']}")
     return "\n".join([head, "", table(rows, ["", "ms", "GB/s", "vs"])])
 
@@ -176,8 +199,8 @@ def plot(result: dict, path: Path) -> Path | None:
     if plt is None:
         return None
     s = result["seconds"]
-    names = ["commit", "warm_copy", "clone", "local_restore", "remote_restore", "fetch", "raw_tcp"]
-    colors = ["tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "grey"]
+    names = ["commit", "commit_landed", "warm_copy", "clone", "local_restore", "remote_restore", "fetch", "raw_tcp"]
+    colors = ["tab:blue", "tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "grey"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.barh([n.replace("_", " ") for n in names][::-1], [s[n] * 1e3 for n in names][::-1], color=colors[::-1])
     ax.set_xlabel("milliseconds (median)")
@@ -194,19 +217,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
     p.add_argument("--link", default="loopback",
                    help="loopback, or a tc rate (e.g. 1gbit) between this node and the holder's namespace (needs root)")
+    p.add_argument("--device", default="cpu", help="where the training's state lives: cpu, or cuda (a GPU: the "
+                   "commit is staged) (default: cpu)")
     p.add_argument("--holder", default="", help=argparse.SUPPRESS)  # NAMESPACE@ADDRESS, set by the outer run
 
 
 def main(args: argparse.Namespace) -> int:
     if args.link == "loopback" or args.holder:
-        run(args.size, args.repeats, args.out, args.link, args.holder)
+        run(args.size, args.repeats, args.out, args.link, args.holder, args.device)
         return 0
     why = netns.unavailable()
     if why:
         raise SystemExit(f"--link {args.link}: {why}")
     with netns.shaped_link(args.link) as link:  # this benchmark again, in node 0's namespace
         inner = [sys.executable, "-m", "ffstate.bench.capture", "--size", args.size, "--repeats", str(args.repeats),
-                 "--out", str(args.out.resolve()), "--link", args.link,
+                 "--out", str(args.out.resolve()), "--link", args.link, "--device", args.device,
                  "--holder", f"{link.namespaces[1]}@{link.addresses[1]}"]
         return subprocess.run(link.cmd(0, inner), timeout=1800).returncode
 

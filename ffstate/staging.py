@@ -1,23 +1,27 @@
 """A commit of a state whose tensors live on a GPU (docs/design.md section 4, step 1): one Triton gather packs every
 device tensor into a staging buffer on the device, one device-to-host copy on a side stream moves the whole buffer
 into the slot, whose pages are registered with CUDA so that the copy runs at the link's full speed, and the few
-host values of the state (RNG states, step counters, extras) are copied into the slot by the CPU path. The commit
-returns once the slot holds every byte: the snapshot survives the process as on a CPU, for about one
-device-to-host copy of the state instead of one copy per tensor.
+host values of the state (RNG states, step counters, extras) are copied aside by the CPU and put into the slot
+after the device's bytes. The commit does not wait for the copy: the training's next kernels queue behind the
+gather on its stream, and the slot is published once the copy's event has fired (``commit.SlotWriter`` waits for
+it off the training's thread); the snapshot then survives the process as on a CPU, for about one device-to-host
+copy of the state instead of one copy per tensor, none of it on the training's time. And the way back:
+``upload`` moves a restored state onto the device by one host-to-device copy and the scatter kernel.
 
-Thin on purpose: the gather is the tested kernel (``kernels/gather.py``, checked against the CPU path under
-``TRITON_INTERPRET=1``); what is CUDA's own here is a stream, an event and the registration of the slot's pages.
-On a CPU (the kernels forced with ``FFSTATE_KERNELS=triton``) the same code runs without them, which is how the
-tests check the staged layout bit for bit.
+Thin on purpose: the kernels are the tested part (``kernels/gather.py``, checked against the CPU path under
+``TRITON_INTERPRET=1``); what is CUDA's own here is a stream, events and the registration of the slot's pages.
+On a CPU (the kernels forced with ``FFSTATE_KERNELS=triton``) the same code runs without them, the copy into the
+slot then being what ``land`` does, which is how the tests check the staged layout and its late publication bit
+for bit.
 """
-
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
 import logging
-from typing import Any
+import os
+from typing import Any, Callable
 
 import torch
 
@@ -48,15 +52,23 @@ class Stager:
             self.buf = torch.zeros(manifest.nbytes, dtype=torch.uint8, device=self.device)  # its padding stays zero
             self.stream = torch.cuda.Stream(self.device) if self.cuda else None
             self._registered = [out for out in outs if self.cuda and _register(out)]
+        self._copied: Any = None  # the event of the last copy into a slot
 
     def _on_device(self) -> contextlib.AbstractContextManager:
         """The staging device made current: Triton launches, events and the registration's context follow the
         current device, which need not be the state's (a process that never called ``set_device``)."""
         return torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
-    def pack(self, state: Any, out: torch.Tensor) -> Manifest:
-        """Packs ``state`` (of this layout) into ``out``, a slot's bytes; returns the state's manifest (its
-        scalars are this version's)."""
+    def pack(self, state: Any, out: torch.Tensor) -> tuple[Manifest, Callable[[], None]]:
+        """Packs ``state`` (of this layout) into ``out``, a slot's bytes, without waiting for the copy; returns the
+        state's manifest (its scalars are this version's) and ``land``: a call that returns once ``out`` holds every
+        byte (it waits for the device's copy, then puts in the host's values, copied aside here), for the caller to
+        run before it publishes the slot, off the training's thread. Call ``land`` before the next ``pack``.
+
+        The training may go on at once: the gather is on the device's current stream, so the next step's kernels
+        (the optimizer's update) run after it, and they wait on nothing else; the copy reads the staging buffer
+        on a side stream, and the host values are copies.
+        """
         from ffstate import kernels
 
         current, arrays = layout.analyze_known(state, self.manifest)
@@ -65,24 +77,37 @@ class Stager:
                                 f"{layout.diff_layouts(current, self.manifest)}")
         placed = list(layout.iter_placed(current, arrays))
         here = [(s, a) for s, a in placed if _on(a, self.device)]
-        rest = [(s, a) for s, a in placed if not _on(a, self.device)]
+        with torch.no_grad():  # the host's values (RNG states, step counters), copied now: the training changes them
+            rest = [(s.offset, _host_copy(s, a)) for s, a in placed if s.nbytes and not _on(a, self.device)]
+        n = self.manifest.nbytes
         with self._on_device():
-            kernels.gather(here, self.buf)  # one launch for every device tensor, on the device's current stream
             if self.cuda:
+                stream = torch.cuda.current_stream(self.device)
+                if self._copied is not None:  # the buffer is free once the last copy read it (``land`` waited)
+                    stream.wait_event(self._copied)
+                kernels.gather(here, self.buf)  # one launch for every device tensor, on the current stream
                 gathered = torch.cuda.Event()
-                gathered.record(torch.cuda.current_stream(self.device))
+                gathered.record(stream)
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(gathered)
-                    out[: self.manifest.nbytes].copy_(self.buf, non_blocking=True)
-                self.stream.synchronize()
-            else:
-                out[: self.manifest.nbytes].copy_(self.buf)
-        with torch.no_grad():  # the host's values, into their places after the device's bytes landed
-            for spec, a in rest:
-                if spec.nbytes:
-                    target = out[spec.offset: spec.offset + spec.nbytes]
-                    target.copy_(layout.array_bytes(a) if spec.kind == "ndarray" else layout.leaf_bytes(a))
-        return current
+                    out[:n].copy_(self.buf, non_blocking=True)
+                    self._copied = copied = torch.cuda.Event()
+                    copied.record(self.stream)
+                device_part = functools.partial(self._synchronize, copied)
+            else:  # the CPU as the device (tests): the copy itself is what lands later
+                kernels.gather(here, self.buf)
+                device_part = functools.partial(out[:n].copy_, self.buf)
+
+        def land() -> None:
+            device_part()
+            if rest:  # after the device's bytes: its copy covers the host values' places with the buffer's zeros
+                torch._foreach_copy_([out[o : o + t.numel()] for o, t in rest], [t for _, t in rest])
+
+        return current, land
+
+    def _synchronize(self, event: Any) -> None:
+        with self._on_device():
+            event.synchronize()  # the interpreter lock released while it waits
 
     def close(self) -> None:
         with self._on_device():
@@ -92,6 +117,12 @@ class Stager:
                     log.warning("cudaHostUnregister of a slot returned %s", err)
                     clear_cuda_error()
         self._registered = []
+
+
+def _host_copy(spec: Any, a: Any) -> torch.Tensor:
+    """A leaf's bytes copied on the host (a tensor on another device, or not contiguous, comes over by itself)."""
+    b = layout.array_bytes(a) if spec.kind == "ndarray" else layout.leaf_bytes(a)
+    return b.clone() if b.device.type == "cpu" else b.cpu()
 
 
 def _on(a: Any, device: torch.device) -> bool:
@@ -146,3 +177,68 @@ def _cudart() -> ctypes.CDLL | None:
     except (OSError, AttributeError):
         pass
     return None
+
+
+class _Span:
+    """Where a tensor's bytes sit in ``upload``'s buffer (what the scatter kernel reads of a spec)."""
+
+    __slots__ = ("offset", "nbytes")
+
+    def __init__(self, offset: int, nbytes: int):
+        self.offset, self.nbytes = offset, nbytes
+
+
+_UPLOAD_ALIGN = 64  # each tensor's bytes start on a 64-byte boundary of the buffer (the kernel's loads stay aligned)
+_upload_said = False
+
+
+def upload(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copies each host tensor into its device tensor (same dtype and shape; contiguous, all on one device): the
+    host tensors' bytes side by side in one pinned buffer, one host-to-device copy of it, and the scatter kernel
+    into every destination in one launch, where per-tensor copies would each pay a pageable transfer and a
+    launch. Where the kernels cannot run (no Triton, no compiler) the first call says so and copies tensor by
+    tensor, unless ``FFSTATE_KERNELS=triton`` asked for them; ``FFSTATE_KERNELS=torch`` copies tensor by tensor."""
+    global _upload_said
+    from ffstate.codec.backend import _kernels_choice
+
+    pairs = [(h, d) for h, d in pairs if d.numel()]
+    if not pairs:
+        return
+    choice = _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto"))
+    if choice != "torch":
+        try:
+            _upload(pairs)
+            return
+        except Exception as e:  # noqa: BLE001 (Triton missing or unable to compile; nothing was written yet)
+            if choice == "triton":
+                raise
+            if not _upload_said:
+                _upload_said = True
+                log.warning("the restore's upload through the scatter kernel failed (%s: %s): it copies tensor by "
+                            "tensor instead", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+    with torch.no_grad():
+        for host, dst in pairs:
+            dst.copy_(host)
+
+
+def _upload(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    from ffstate import kernels
+
+    device = pairs[0][1].device
+    spans, at = [], 0
+    for host, dst in pairs:
+        if dst.device != device or not dst.is_contiguous() or host.dtype != dst.dtype or host.shape != dst.shape:
+            raise ValueError(f"upload: {tuple(host.shape)} {host.dtype} into {tuple(dst.shape)} {dst.dtype} on "
+                             f"{dst.device}: not one device's contiguous tensors of the same dtype and shape")
+        n = dst.numel() * dst.element_size()
+        spans.append(_Span(at, n))
+        at += -(-n // _UPLOAD_ALIGN) * _UPLOAD_ALIGN
+    cuda = device.type == "cuda"
+    ctx = torch.cuda.device(device) if cuda else contextlib.nullcontext()
+    with ctx, torch.no_grad():
+        buf = torch.empty(at, dtype=torch.uint8, pin_memory=cuda)
+        torch._foreach_copy_([buf[s.offset : s.offset + s.nbytes] for s in spans],
+                             [layout.leaf_bytes(h) for h, _ in pairs])
+        kernels.scatter(buf, list(zip(spans, (d for _, d in pairs))))  # one copy to the device, one launch
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()  # the pinned buffer is read before it goes

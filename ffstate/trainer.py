@@ -226,7 +226,9 @@ class Replicated:
     # ------------------------------------------------------------ the training loop's side
 
     def commit(self, step: int) -> None:
-        """Captures the state after ``step`` into shared memory; once this returns it survives this process.
+        """Captures the state after ``step`` into shared memory; once this returns it survives this process. A state
+        on a GPU is staged: this returns once the copy into the slot is queued, and the version survives the process
+        once it has landed (``flush``), a device-to-host copy later; the next commit waits for it.
 
         Raises:
             FFStateError: ``step`` is not larger than the last committed one.
@@ -256,6 +258,11 @@ class Replicated:
         self.shape.after_commit(step, self._slots, self.lag.replicated if self.holders else step)
         if self._slots is not None:
             self._slots.set_commit_seconds(time.perf_counter() - began)
+
+    def flush(self) -> None:
+        """Returns once the last commit is in its slot, published (a staged commit lands after ``commit`` returns)."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def _key_map(self) -> torch.Tensor:
         """The DCP key map of the state (made at the first commit, when the optimizer has its state; again at a new

@@ -240,17 +240,23 @@ class Slots(WorkerFields):
         h.seq = h.seq + 1 if h.seq % 2 == 0 else h.seq + 2  # odd: being written
         return k
 
-    def publish(self, k: int, version: int, scalars: list) -> None:
-        """Publishes slot k, filled since ``begin``, as ``version`` with the state's ``scalars`` (the manifest's):
-        once this returns, the snapshot survives this process's death. Then rings the daemon's doorbell."""
+    def encode_scalars(self, scalars: list) -> bytes:
+        """The state's scalars as the slot keeps them (JSON); SlotError if they do not fit its room for them."""
         raw = json.dumps(list(scalars), separators=(",", ":")).encode()
         if len(raw) > self.scalars_capacity:
             raise SlotError(f"the state's scalars take {len(raw)} bytes of JSON, the slot has room for "
                             f"{self.scalars_capacity}; attach with a larger scalars_capacity")
+        return raw
+
+    def publish(self, k: int, version: int, scalars: list | bytes, held_ns: int | None = None) -> None:
+        """Publishes slot k, filled since ``begin``, as ``version`` with the state's ``scalars`` (the manifest's, or
+        ``encode_scalars`` of them): once this returns, the snapshot survives this process's death. Then rings the
+        daemon's doorbell. ``held_ns``: what ``take_held`` gave when the commit began (default: taken now)."""
+        raw = scalars if isinstance(scalars, bytes) else self.encode_scalars(scalars)
         self._maps[k][PAGE : PAGE + len(raw)] = raw
         h = self.headers[k]
-        h.version, h.scalars_len, h.commit_ns, h.held_ns = version, len(raw), time.time_ns(), self.held_pending
-        self.held_pending = 0
+        held = self.take_held() if held_ns is None else held_ns
+        h.version, h.scalars_len, h.commit_ns, h.held_ns = version, len(raw), time.time_ns(), held
         h.seq += 1  # even: committed
         self.headers[0].commit_count += 1
         if self._bell is not None:

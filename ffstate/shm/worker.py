@@ -40,6 +40,11 @@ class WorkerFields:
     _held_since: int = 0  # worker side: time.time_ns() when the current hold began
     held_pending: int = 0  # worker side: ns held since the last commit, written with the next one (``publish``)
 
+    def take_held(self) -> int:
+        """The ns held since the last commit (``held_pending``), handed to the next ``publish``, and reset."""
+        held, self.held_pending = self.held_pending, 0
+        return held
+
     def commits(self) -> list[tuple[int, float, float]]:
         """(version, wall-clock seconds, seconds its step was held by the lag policy) of each committed slot's
         commit, oldest first."""
