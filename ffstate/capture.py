@@ -88,7 +88,6 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
 @layout.gc_paused()  # load_state_dict builds a dict per module and per parameter
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_scheduler: Any, extra: Any,
             state: dict) -> None:
-    state = upload(model, optimizer, state)
     load_model(model, state["model"])
     load_optimizer(optimizer, state["optim"])
     if lr_scheduler is not None:
@@ -98,58 +97,6 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
     if "comm_hook" in state and (hook := hooks.state_of(model)) is not None:
         hook.load_state_dict(state["comm_hook"])
     set_rng_state(state["rng"])
-
-
-def upload(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """A restored state with its host tensors that belong on the training's GPU moved there at once
-    (``staging.upload``: one host-to-device copy, the scatter kernel): the model's straight into its own tensors,
-    so that what ``load_state_dict`` then copies is each tensor onto itself (a no-op), the optimizer's into new
-    tensors on their parameters' device, as its ``load_state_dict`` would make them (its step counters, and values
-    it would cast, are left to it). A model on the CPU, or sharded (DTensors), keeps the per-tensor path."""
-    from ffstate import staging
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    live = model.state_dict()
-    device = staging.wanted(list(live.values()))
-    if device is None or not isinstance(state.get("model"), dict):
-        return state
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def fits(host: Any, dst: Any) -> bool:
-        return (_plain(host) and _plain(dst) and host.device.type == "cpu" and dst.device == device
-                and dst.is_contiguous() and host.dtype == dst.dtype and host.shape == dst.shape)
-
-    saved = dict(state["model"])
-    for k, v in live.items():
-        if fits(saved.get(k), v):
-            pairs.append((saved[k], v))
-            saved[k] = v
-    out = {**state, "model": saved}
-    zero = isinstance(optimizer, ZeroRedundancyOptimizer)
-    inner, held = (optimizer.optim, state["optim"].get("shard")) if zero else (optimizer, state.get("optim"))
-    if isinstance(held, dict) and isinstance(held.get("state"), dict):
-        params = [p for g in inner.param_groups for p in g["params"]]
-        entries = {}
-        for idx, entry in held["state"].items():
-            p = params[idx] if isinstance(idx, int) and 0 <= idx < len(params) else None
-            if p is None or not _plain(p) or p.device != device or not isinstance(entry, dict):
-                entries[idx] = entry
-                continue
-            entries[idx] = entry = dict(entry)
-            for name, h in entry.items():
-                if name != "step" and _plain(h) and not (p.is_floating_point() and h.dtype != p.dtype):
-                    d = torch.empty(h.shape, dtype=h.dtype, device=device)
-                    if fits(h, d):
-                        pairs.append((h, d))
-                        entry[name] = d
-        held = {**held, "state": entries}
-        out["optim"] = {**state["optim"], "shard": held} if zero else held
-    staging.upload(pairs)
-    return out
-
-
-def _plain(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and not _is_dtensor(t)
 
 
 def load_model(model: torch.nn.Module, saved: dict) -> None:

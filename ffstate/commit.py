@@ -62,7 +62,11 @@ class SlotWriter:
                             "instead (FFSTATE_KERNELS=torch says so from the start)", type(e).__name__, e)
                 self.close()
         if land is not None:
-            raw = slots.encode_scalars(manifest.scalars)  # a state that cannot be published fails here, not later
+            try:
+                raw = slots.encode_scalars(manifest.scalars)  # a state that cannot be published fails here, not later
+            except BaseException:
+                land()  # the copy into the slot is queued: done before anything may unmap the slot
+                raise
             if self._publisher is None:
                 self._publisher = ThreadPoolExecutor(1, thread_name_prefix="ffstate-publish")
             self._landing = self._publisher.submit(self._publish, land, k, version, raw, slots.take_held())

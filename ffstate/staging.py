@@ -6,7 +6,8 @@ after the device's bytes. The commit does not wait for the copy: the training's 
 gather on its stream, and the slot is published once the copy's event has fired (``commit.SlotWriter`` waits for
 it off the training's thread); the snapshot then survives the process as on a CPU, for about one device-to-host
 copy of the state instead of one copy per tensor, none of it on the training's time. And the way back:
-``upload`` moves a restored state onto the device by one host-to-device copy and the scatter kernel.
+``scatter`` moves a restored state's device tensors from the decoded buffer onto the device by one
+host-to-device copy and the scatter kernel.
 
 Thin on purpose: the kernels are the tested part (``kernels/gather.py``, checked against the CPU path under
 ``TRITON_INTERPRET=1``); what is CUDA's own here is a stream, events and the registration of the slot's pages.
@@ -91,7 +92,7 @@ class Stager:
                 with torch.cuda.stream(self.stream):
                     self.stream.wait_event(gathered)
                     out[:n].copy_(self.buf, non_blocking=True)
-                    self._copied = copied = torch.cuda.Event()
+                    self._copied = copied = torch.cuda.Event(blocking=True)  # its waiter sleeps, not spins
                     copied.record(self.stream)
                 device_part = functools.partial(self._synchronize, copied)
             else:  # the CPU as the device (tests): the copy itself is what lands later
@@ -111,6 +112,8 @@ class Stager:
 
     def close(self) -> None:
         with self._on_device():
+            if self.stream is not None:
+                self.stream.synchronize()  # no copy still writing a slot's pages when they are unregistered
             for out in self._registered:
                 err = torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
                 if int(err) != 0:
@@ -180,7 +183,7 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 class _Span:
-    """Where a tensor's bytes sit in ``upload``'s buffer (what the scatter kernel reads of a spec)."""
+    """Where a tensor's bytes sit in the buffer ``scatter`` copies to the device (what the kernel reads of a spec)."""
 
     __slots__ = ("offset", "nbytes")
 
@@ -188,57 +191,56 @@ class _Span:
         self.offset, self.nbytes = offset, nbytes
 
 
-_UPLOAD_ALIGN = 64  # each tensor's bytes start on a 64-byte boundary of the buffer (the kernel's loads stay aligned)
-_upload_said = False
+_scatter_said = False
 
 
-def upload(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copies each host tensor into its device tensor (same dtype and shape; contiguous, all on one device): the
-    host tensors' bytes side by side in one pinned buffer, one host-to-device copy of it, and the scatter kernel
-    into every destination in one launch, where per-tensor copies would each pay a pageable transfer and a
-    launch. Where the kernels cannot run (no Triton, no compiler) the first call says so and copies tensor by
-    tensor, unless ``FFSTATE_KERNELS=triton`` asked for them; ``FFSTATE_KERNELS=torch`` copies tensor by tensor."""
-    global _upload_said
+def on_gpu(leaf: Any) -> bool:
+    """Whether a restored state's leaf lives on a GPU: filled by ``scatter``, not by copies from the host."""
+    return isinstance(leaf, torch.Tensor) and leaf.is_cuda
+
+
+def scatter(buf: torch.Tensor, placed: list[tuple[Any, torch.Tensor]]) -> None:
+    """Copies each spec's bytes of the host buffer ``buf`` (a decoded version, or a slot) into its tensor on one
+    device (new, contiguous, the spec's dtype and shape): the span of ``buf`` that holds them goes to the device in
+    one copy, and the scatter kernel writes every tensor in one launch, where copying each tensor's bytes would pay
+    a transfer, and a synchronisation, per tensor. Where the kernels cannot run (no Triton, no compiler) the first
+    call says so and copies tensor by tensor, unless ``FFSTATE_KERNELS=triton`` asked for them;
+    ``FFSTATE_KERNELS=torch`` copies tensor by tensor."""
+    global _scatter_said
     from ffstate.codec.backend import _kernels_choice
 
-    pairs = [(h, d) for h, d in pairs if d.numel()]
-    if not pairs:
+    placed = [(s, t) for s, t in placed if s.nbytes]
+    if not placed:
         return
     choice = _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto"))
     if choice != "torch":
         try:
-            _upload(pairs)
+            _scatter(buf, placed)
             return
-        except Exception as e:  # noqa: BLE001 (Triton missing or unable to compile; nothing was written yet)
+        except Exception as e:  # noqa: BLE001 (Triton missing or unable to compile; rewritten below)
             if choice == "triton":
                 raise
-            if not _upload_said:
-                _upload_said = True
-                log.warning("the restore's upload through the scatter kernel failed (%s: %s): it copies tensor by "
-                            "tensor instead", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            if not _scatter_said:
+                _scatter_said = True
+                log.warning("restoring onto %s through the scatter kernel failed (%s: %s): tensors are copied one by "
+                            "one instead", placed[0][1].device, type(e).__name__, (str(e).splitlines() or [""])[0][:200])
     with torch.no_grad():
-        for host, dst in pairs:
-            dst.copy_(host)
+        for spec, t in placed:
+            layout.copy_bits(t, layout.tensor_view(buf, spec))
 
 
-def _upload(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _scatter(buf: torch.Tensor, placed: list[tuple[Any, torch.Tensor]]) -> None:
     from ffstate import kernels
 
-    device = pairs[0][1].device
-    spans, at = [], 0
-    for host, dst in pairs:
-        if dst.device != device or not dst.is_contiguous() or host.dtype != dst.dtype or host.shape != dst.shape:
-            raise ValueError(f"upload: {tuple(host.shape)} {host.dtype} into {tuple(dst.shape)} {dst.dtype} on "
-                             f"{dst.device}: not one device's contiguous tensors of the same dtype and shape")
-        n = dst.numel() * dst.element_size()
-        spans.append(_Span(at, n))
-        at += -(-n // _UPLOAD_ALIGN) * _UPLOAD_ALIGN
-    cuda = device.type == "cuda"
-    ctx = torch.cuda.device(device) if cuda else contextlib.nullcontext()
-    with ctx, torch.no_grad():
-        buf = torch.empty(at, dtype=torch.uint8, pin_memory=cuda)
-        torch._foreach_copy_([buf[s.offset : s.offset + s.nbytes] for s in spans],
-                             [layout.leaf_bytes(h) for h, _ in pairs])
-        kernels.scatter(buf, list(zip(spans, (d for _, d in pairs))))  # one copy to the device, one launch
-        if cuda:
-            torch.cuda.current_stream(device).synchronize()  # the pinned buffer is read before it goes
+    device = placed[0][1].device
+    for spec, t in placed:
+        if t.device != device or not t.is_contiguous() or t.numel() * t.element_size() != spec.nbytes:
+            raise ValueError(f"scatter: {spec.name} ({spec.nbytes} bytes) into a {tuple(t.shape)} {t.dtype} tensor on "
+                             f"{t.device}: not one device's contiguous tensors of the spec's size")
+    lo = min(s.offset for s, _ in placed)
+    hi = max(s.offset + s.nbytes for s, _ in placed)
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        kernels.scatter(buf[lo:hi], [(_Span(s.offset - lo, s.nbytes), t) for s, t in placed])
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the host buffer may go (or be rewritten) after this

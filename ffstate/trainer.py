@@ -150,6 +150,7 @@ class Replicated:
             self._close()
             return
         lag, job = self.lag, self.job
+        self.flush()  # the last commit published (staged on a GPU, it lands after commit returns)
         if self.holders and self._slots is not None:
             lag.wait(self._last, self.cfg.exit_timeout)
             if lag.replicated < self._last:
@@ -255,6 +256,8 @@ class Replicated:
         self.pacing.on_commit()
         if self.holders:
             self.lag.after_commit(step, self._slots, self._slots.wait_timed_out)
+        if self._slots is not None and self._slots.drain()[0]:
+            self._writer.flush()  # the node is being drained, to stop at this step: its version published first
         self.shape.after_commit(step, self._slots, self.lag.replicated if self.holders else step)
         if self._slots is not None:
             self._slots.set_commit_seconds(time.perf_counter() - began)

@@ -31,12 +31,18 @@ def _copy_tiles_kernel(addr, offset, nbytes, tile_tensor, tile_block, buf, TO_BU
         tl.store(ptr + idx, tl.load(buf + off + idx, mask=m), mask=m)
 
 
-def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer: bool) -> None:
-    if not pairs:
-        return
-    # 4096 bytes per program: a tensor smaller than that is one program; large ones spread over all SMs.
-    bl = block(4096)
-    dev = buf.device
+_TABLES: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}  # the last launch's tables per (device, direction)
+
+
+def _tables(dev: torch.device, pairs: Sequence[tuple[int, int, int]], bl: int, to_buffer: bool) -> list[torch.Tensor]:
+    """The launch's tables on ``dev``: the tensors' addresses, offsets and sizes, and each program's tensor and block.
+    A commit moves the same tensors every step: their tables are kept from the last launch. New ones go to a GPU
+    from pinned memory, without blocking the host (a pageable copy waits for the stream: for the whole step the
+    training queued before the commit)."""
+    key, cached = (dev, to_buffer), _TABLES.get((dev, to_buffer))
+    ident = tuple(pairs)
+    if cached is not None and cached[0] == ident:
+        return cached[1]
     addr = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
     offset = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
     nbytes = torch.tensor([p[2] for p in pairs], dtype=torch.int64)
@@ -44,8 +50,24 @@ def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer:
     tile_tensor = torch.repeat_interleave(torch.arange(len(pairs)), blocks)
     starts = torch.cumsum(blocks, 0) - blocks
     tile_block = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
-    args = [x.to(dev) for x in (addr, offset, nbytes, tile_tensor.to(torch.int32), tile_block.to(torch.int32))]
-    _copy_tiles_kernel[(tile_tensor.numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
+    parts = [addr, offset, nbytes, tile_tensor, tile_block]
+    host = torch.cat(parts).pin_memory() if dev.type == "cuda" else torch.cat(parts)
+    flat = host.to(dev, non_blocking=True)
+    out, at = [], 0
+    for part in parts:
+        out.append(flat[at : at + part.numel()])
+        at += part.numel()
+    _TABLES[key] = (ident, out)
+    return out
+
+
+def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer: bool) -> None:
+    if not pairs:
+        return
+    # 4096 bytes per program: a tensor smaller than that is one program; large ones spread over all SMs.
+    bl = block(4096)
+    args = _tables(buf.device, pairs, bl, to_buffer)
+    _copy_tiles_kernel[(args[3].numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
 
 
 def _split(buf: torch.Tensor, placed: Sequence[tuple[Any, Any]]):

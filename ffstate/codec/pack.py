@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ffstate import checksum, layout
+from ffstate import checksum, layout, staging
 from ffstate.codec.backend import _map, _use_kernels, buffer_checksum
 from ffstate.codec.chunks import Snapshot
 from ffstate.errors import CodecError, LayoutChanged
@@ -147,7 +147,11 @@ class Unpacking:
         self.count = -(-self._host.size // TASK_BYTES)
         self._tasks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(self.count)]
         self._ends = [min((i + 1) * TASK_BYTES, self._host.size) for i in range(self.count)]
+        self._device: list[tuple[Any, torch.Tensor]] = []  # tensors restored onto a GPU: by ``finish``, at once
         for spec, leaf in zip(manifest.tensors, self.leaves):
+            if spec.nbytes and staging.on_gpu(leaf):
+                self._device.append((spec, leaf))
+                continue
             for a in range(0, spec.nbytes, _PIECE_BYTES):
                 pos, n = spec.offset + a, min(_PIECE_BYTES, spec.nbytes - a)
                 i = pos // TASK_BYTES
@@ -174,6 +178,13 @@ class Unpacking:
         return checksum.piece_sum(self._host[lo : lo + TASK_BYTES], lo // checksum.PIECE_BYTES)
 
     def finish(self, total: int) -> tuple[Any, int]:
+        """The state and the checksum, once every task ran: the tensors that live on a GPU go there now, from the
+        buffer in one copy per device and the scatter kernel (``staging.scatter``)."""
+        devices: dict[torch.device, list] = {}
+        for spec, leaf in self._device:
+            devices.setdefault(leaf.device, []).append((spec, leaf))
+        for placed in devices.values():
+            staging.scatter(self.buf, placed)
         return layout.finish_leaves(self.manifest, self.leaves), checksum.finish(total, self._host.size)
 
 
@@ -183,7 +194,7 @@ def _copy_pieces(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
         return
     for d, s in zip(dsts, srcs):
-        d.copy_(s)  # a tensor restored onto a GPU
+        d.copy_(s)  # a tensor on a device that ``staging.on_gpu`` leaves to these copies
 
 
 def restore_into(snapshot: Snapshot, live: Any) -> Any:

@@ -162,7 +162,8 @@ class Drainer:
         d.stopped_seen = d.stopped_seen or bool(stopped)
         if d.state == "draining" and stopped:
             top = max(r[1] for r in rows)
-            if all(r[1] == top for r in rows) and all(r[2] >= top for r in rows):
+            # (a stopped rank's step published: a commit staged on a GPU is published after it returns)
+            if all(r[1] == top and r[1] >= r[3] for r in rows) and all(r[2] >= top for r in rows):
                 d.state, d.version, d.drained = "drained", top, time.time()
                 log.warning("drain of job %s: every local rank stopped at step %d and every holder has it (%.2fs "
                             "after the request)", d.job, top, d.drained - d.requested)

@@ -7,7 +7,7 @@ import torch
 
 from ffstate import codec, layout
 from ffstate.staging import Stager, wanted
-from helpers import TinyGPT, assert_bitwise_equal, train_states
+from helpers import assert_bitwise_equal, train_states
 
 
 def mixed_state():
@@ -225,82 +225,69 @@ def test_clearing_cuda_s_last_error_is_a_no_op_without_the_cuda_runtime():
     assert clear_cuda_error() is False  # no libcudart in a CPU build's process: nothing to clear, nothing raised
 
 
-def _trained(seed: int, steps: int, bool_buffer: bool = True):
-    torch.manual_seed(seed)
-    model = TinyGPT()
-    if bool_buffer:
-        model.register_buffer("flags", torch.rand(33) > 0.5)  # a bool buffer: bytes through the kernel
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    for _ in range(steps):
-        loss = model.loss(torch.randint(0, model.tok.num_embeddings, (4, model.seq + 1)))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    return model, opt
 
-
-def test_a_restore_onto_the_device_goes_through_one_upload_and_the_scatter_kernel_bit_for_bit(monkeypatch):
-    """``capture.restore`` of a state on the device (here the CPU stands for it, the kernels under the
-    interpreter): the model's tensors are written in place and the optimizer's made on the device by one scatter
-    launch, and every bit equals the state restored by per-tensor copies, a fresh optimizer's state included."""
-    from ffstate import capture, kernels, staging
-
-    model, opt = _trained(0, 3)
-    host = codec.unpack(codec.pack(capture.capture(model, opt, None, None)))  # the restored state, on the host
-    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
-    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
-    launches = []
-    scatter = kernels.scatter
-    monkeypatch.setattr(kernels, "scatter", lambda buf, placed: (launches.append(len(placed)), scatter(buf, placed)))
-    results = []
-    for choice in ("triton", "torch"):
-        monkeypatch.setenv("FFSTATE_KERNELS", choice)
-        fresh, fresh_opt = _trained(1, 0)  # another start, no optimizer state yet: as a replaced rank's process
-        before = {k: v.data_ptr() for k, v in fresh.state_dict().items()}
-        capture.restore(fresh, fresh_opt, None, None, host)
-        assert {k: v.data_ptr() for k, v in fresh.state_dict().items()} == before  # in place: the identity kept
-        results.append(capture.capture(fresh, fresh_opt, None, None))
-    n_model = len(model.state_dict())
-    n_opt = sum(1 for s in opt.state.values() for k in s if k != "step")
-    assert launches == [n_model + n_opt]  # one launch, every model tensor and optimizer value but the steps
-    for got in results:
-        assert_bitwise_equal(got["model"], capture.capture(model, opt, None, None)["model"])
-        assert_bitwise_equal(got["optim"], capture.capture(model, opt, None, None)["optim"])
-    assert_bitwise_equal(results[0], results[1])
-
-
-def test_upload_refuses_what_it_cannot_place_and_falls_back_when_the_kernels_cannot_run(monkeypatch, caplog):
+def _as_device(monkeypatch, launches):
+    """The CPU as the device a restore writes to: ``staging.on_gpu`` takes every tensor leaf, the kernels run under
+    the interpreter, and each scatter launch is counted."""
     from ffstate import kernels, staging
 
     monkeypatch.setenv("FFSTATE_KERNELS", "triton")
-    with pytest.raises(ValueError, match="same dtype and shape"):
-        staging.upload([(torch.zeros(3), torch.zeros(4))])
-    with pytest.raises(ValueError, match="contiguous"):
-        staging.upload([(torch.zeros(3, 2), torch.zeros(2, 3).t())])
+    monkeypatch.setattr(staging, "on_gpu", lambda leaf: isinstance(leaf, torch.Tensor))
+    scatter = kernels.scatter
+    monkeypatch.setattr(kernels, "scatter", lambda buf, placed: (launches.append(len(placed)), scatter(buf, placed)))
+
+
+def test_a_restore_onto_the_device_scatters_the_decoded_buffer_in_one_launch_bit_for_bit(monkeypatch):
+    """A restore's device tensors are not copied out piece by piece from the host: once the buffer is checked, its
+    span goes to the device in one copy and the scatter kernel fills every device tensor (the slot's path,
+    ``unpack_verified``, and the holders', ``Decoder``); the state equals the reference's bit for bit and the sum
+    the buffer's."""
+    state = {**mixed_state(), "train": list(train_states(2))[-1]}
+    packed = codec.pack(state)
+    launches = []
+    _as_device(monkeypatch, launches)
+    got, total = codec.unpack_verified(packed.manifest, packed.buffer)
+    tensors = sum(1 for t in packed.manifest.tensors if t.kind != "ndarray" and t.nbytes)
+    assert launches == [tensors]  # one launch for every tensor; the numpy array copied out on the host
+    assert total == codec.buffer_checksum(packed.buffer)
+    assert_bitwise_equal(got, state)
+    full = codec.encode(state, chunk_bytes=64 << 10)
+    dec = codec.Decoder()
+    for c in reversed(full.chunks):
+        dec.add(c)
+    assert_bitwise_equal(dec.state(), state)
+    assert launches == [tensors, tensors]
+
+
+def test_a_restore_onto_the_device_falls_back_to_copies_when_the_kernels_cannot_run(monkeypatch, caplog):
+    from ffstate import kernels, staging
+
+    state = list(train_states(1))[-1]
+    packed = codec.pack(state)
+    _as_device(monkeypatch, [])
 
     def no_triton(*args, **kwargs):
         raise ImportError("No module named 'triton'")
 
     monkeypatch.setattr(kernels, "scatter", no_triton)
-    src, dst = torch.randn(1000), torch.zeros(1000)
-    with pytest.raises(ImportError):
-        staging.upload([(src, dst)])
+    with pytest.raises(ImportError):  # asked for by name
+        codec.unpack_verified(packed.manifest, packed.buffer)
     monkeypatch.delenv("FFSTATE_KERNELS")
-    staging.upload([(src, dst)])
-    assert torch.equal(dst, src) and "tensor by tensor" in caplog.text
+    monkeypatch.setattr(staging, "_scatter_said", False)
+    got, _ = codec.unpack_verified(packed.manifest, packed.buffer)
+    assert_bitwise_equal(got, state)
+    assert "copied one by one" in caplog.text
+    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
+    spec = packed.manifest.tensors[0]
+    with pytest.raises(ValueError, match="contiguous tensors of the spec's size"):
+        staging.scatter(packed.buffer, [(spec, torch.empty(spec.nbytes + 4, dtype=torch.uint8))])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_restore_onto_a_gpu_scatters_the_state_into_place_bit_for_bit():
-    from ffstate import capture
-
-    model, opt = _trained(0, 3)
-    host = codec.unpack(codec.pack(capture.capture(model, opt, None, None)))
-    fresh, fresh_opt = _trained(1, 0)
-    fresh.cuda()
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=3e-3, weight_decay=0.1)
-    capture.restore(fresh, fresh_opt, None, None, host)
-    assert all(t.is_cuda for s in fresh_opt.state.values() for k, t in s.items() if k != "step")
-    got = capture.capture(fresh, fresh_opt, None, None)
-    want = capture.capture(model, opt, None, None)
-    assert_bitwise_equal({k: v.cpu() for k, v in got["model"].items()}, want["model"])
+def test_a_state_on_a_gpu_is_restored_onto_it_bit_for_bit():
+    host = mixed_state()
+    state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+    packed = codec.pack(state)
+    got, _ = codec.unpack_verified(packed.manifest, packed.buffer)
+    assert all(got[k].is_cuda for k, v in state.items() if isinstance(v, torch.Tensor))
+    assert_bitwise_equal({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}, host)
