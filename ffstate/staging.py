@@ -202,10 +202,11 @@ def on_gpu(leaf: Any) -> bool:
 def scatter(buf: torch.Tensor, placed: list[tuple[Any, torch.Tensor]]) -> None:
     """Copies each spec's bytes of the host buffer ``buf`` (a decoded version, or a slot) into its tensor on one
     device (new, contiguous, the spec's dtype and shape): the span of ``buf`` that holds them goes to the device in
-    one copy, and the scatter kernel writes every tensor in one launch, where copying each tensor's bytes would pay
-    a transfer, and a synchronisation, per tensor. Where the kernels cannot run (no Triton, no compiler) the first
-    call says so and copies tensor by tensor, unless ``FFSTATE_KERNELS=triton`` asked for them;
-    ``FFSTATE_KERNELS=torch`` copies tensor by tensor."""
+    copies of up to ``WINDOW_BYTES`` (one for a state under that size), and the scatter kernel writes the tensors of
+    each in one launch, where copying each tensor's bytes would pay a transfer, and a synchronisation, per tensor.
+    Where the kernels cannot run (no Triton, no compiler, no device memory for a window) the first call says so and
+    copies tensor by tensor, unless ``FFSTATE_KERNELS=triton`` asked for them; ``FFSTATE_KERNELS=torch`` copies
+    tensor by tensor."""
     global _scatter_said
     from ffstate.codec.backend import _kernels_choice
 
@@ -237,10 +238,26 @@ def _scatter(buf: torch.Tensor, placed: list[tuple[Any, torch.Tensor]]) -> None:
         if t.device != device or not t.is_contiguous() or t.numel() * t.element_size() != spec.nbytes:
             raise ValueError(f"scatter: {spec.name} ({spec.nbytes} bytes) into a {tuple(t.shape)} {t.dtype} tensor on "
                              f"{t.device}: not one device's contiguous tensors of the spec's size")
-    lo = min(s.offset for s, _ in placed)
-    hi = max(s.offset + s.nbytes for s, _ in placed)
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
-        kernels.scatter(buf[lo:hi], [(_Span(s.offset - lo, s.nbytes), t) for s, t in placed])
+        for window in _windows(sorted(placed, key=lambda p: p[0].offset)):
+            lo, hi = window[0][0].offset, max(s.offset + s.nbytes for s, _ in window)
+            kernels.scatter(buf[lo:hi], [(_Span(s.offset - lo, s.nbytes), t) for s, t in window])
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the host buffer may go (or be rewritten) after this
+
+
+WINDOW_BYTES = 256 << 20  # the most of the buffer on the device at once beside the restored tensors (or one tensor)
+
+
+def _windows(placed: list[tuple[Any, torch.Tensor]]) -> list[list[tuple[Any, torch.Tensor]]]:
+    """Tensors sorted by offset, in runs whose span of the buffer is at most ``WINDOW_BYTES`` (a larger tensor is
+    a run of its own): the device holds one run's copy of the buffer at a time, not a second copy of the state."""
+    out: list[list[tuple[Any, torch.Tensor]]] = []
+    lo = 0
+    for spec, t in placed:
+        if not out or spec.offset + spec.nbytes - lo > WINDOW_BYTES:
+            out.append([])
+            lo = spec.offset
+        out[-1].append((spec, t))
+    return out

@@ -102,7 +102,7 @@ class Replicated:
         self.razor = RazorVerifier(job, groups)
         self.pacing = PacingSignals(self.model, self.cfg, job.rank, job.world, bool(self.holders))
         self.lag = LagWatch(job, lambda: self.daemon, self._daemon_lost)
-        self.shape = ShapeWatch(job, lambda: self.daemon, self.pause)
+        self.shape = ShapeWatch(job, lambda: self.daemon, self.pause, self.flush)
         self._register_stacks()
         log.info("rank %d: razor: %s", job.rank, groups.reason if groups else razor.why_not(job.world, self.cfg))
         got = recovery.restore(job, self.daemon, self.holders, groups.ranks if groups else (), self._load, self._t0,
@@ -150,7 +150,11 @@ class Replicated:
             self._close()
             return
         lag, job = self.lag, self.job
-        self.flush()  # the last commit published (staged on a GPU, it lands after commit returns)
+        try:
+            self.flush()  # the last commit published (staged on a GPU, it lands after commit returns)
+        except Exception as e:  # noqa: BLE001 (its copy failed: the version before it stays the last published)
+            log.warning("rank %d: the last commit (step %d) was not published: %s: %s", self.rank, self._last,
+                        type(e).__name__, e)
         if self.holders and self._slots is not None:
             lag.wait(self._last, self.cfg.exit_timeout)
             if lag.replicated < self._last:
@@ -256,8 +260,6 @@ class Replicated:
         self.pacing.on_commit()
         if self.holders:
             self.lag.after_commit(step, self._slots, self._slots.wait_timed_out)
-        if self._slots is not None and self._slots.drain()[0]:
-            self._writer.flush()  # the node is being drained, to stop at this step: its version published first
         self.shape.after_commit(step, self._slots, self.lag.replicated if self.holders else step)
         if self._slots is not None:
             self._slots.set_commit_seconds(time.perf_counter() - began)

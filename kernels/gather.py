@@ -6,6 +6,7 @@ its size, and a tile table splits tensors into blocks.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -31,33 +32,36 @@ def _copy_tiles_kernel(addr, offset, nbytes, tile_tensor, tile_block, buf, TO_BU
         tl.store(ptr + idx, tl.load(buf + off + idx, mask=m), mask=m)
 
 
-_TABLES: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}  # the last launch's tables per (device, direction)
+_TABLES: dict[tuple, tuple[tuple, list[torch.Tensor]]] = {}  # a gather's tables, per device and stream
+_LAUNCH = threading.Lock()  # Triton's first compile and launch of a kernel is not safe from several threads at once
 
 
-def _tables(dev: torch.device, pairs: Sequence[tuple[int, int, int]], bl: int, to_buffer: bool) -> list[torch.Tensor]:
-    """The launch's tables on ``dev``: the tensors' addresses, offsets and sizes, and each program's tensor and block.
-    A commit moves the same tensors every step: their tables are kept from the last launch. New ones go to a GPU
-    from pinned memory, without blocking the host (a pageable copy waits for the stream: for the whole step the
-    training queued before the commit)."""
-    key, cached = (dev, to_buffer), _TABLES.get((dev, to_buffer))
+def _tables(dev: torch.device, pairs: Sequence[tuple[int, int, int]], bl: int, keep: bool) -> list[torch.Tensor]:
+    """The launch's tables on ``dev``: the tensors' addresses, offsets and sizes (int64), and each program's tensor
+    and block (int32). They go to a GPU from pinned memory, without blocking the host (a pageable copy waits for
+    the stream: for the whole step the training queued before a commit). ``keep``: a gather, which moves the
+    same tensors at every commit, keeps them for the next one with the same tensors (on the same stream: it is
+    ordered after the copy that filled them); a restore's are used once."""
+    stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+    key = (dev, stream)
     ident = tuple(pairs)
+    cached = _TABLES.get(key) if keep else None
     if cached is not None and cached[0] == ident:
         return cached[1]
-    addr = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-    offset = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
     nbytes = torch.tensor([p[2] for p in pairs], dtype=torch.int64)
     blocks = (nbytes + bl - 1) // bl
-    tile_tensor = torch.repeat_interleave(torch.arange(len(pairs)), blocks)
+    tile_tensor = torch.repeat_interleave(torch.arange(len(pairs), dtype=torch.int32), blocks)
     starts = torch.cumsum(blocks, 0) - blocks
-    tile_block = torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)
-    parts = [addr, offset, nbytes, tile_tensor, tile_block]
-    host = torch.cat(parts).pin_memory() if dev.type == "cuda" else torch.cat(parts)
-    flat = host.to(dev, non_blocking=True)
-    out, at = [], 0
-    for part in parts:
-        out.append(flat[at : at + part.numel()])
-        at += part.numel()
-    _TABLES[key] = (ident, out)
+    tile_block = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)).to(torch.int32)
+    wide = torch.tensor([x for p in pairs for x in p[:2]], dtype=torch.int64).view(-1, 2).t().reshape(-1)
+    host = [torch.cat([wide, nbytes]), torch.cat([tile_tensor, tile_block])]
+    if dev.type == "cuda":
+        host = [h.pin_memory() for h in host]
+    n, t = len(pairs), tile_tensor.numel()
+    wide_d, tiles_d = (h.to(dev, non_blocking=True) for h in host)
+    out = [wide_d[:n], wide_d[n : 2 * n], wide_d[2 * n :], tiles_d[:t], tiles_d[t:]]
+    if keep:
+        _TABLES[key] = (ident, out)
     return out
 
 
@@ -66,8 +70,9 @@ def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer:
         return
     # 4096 bytes per program: a tensor smaller than that is one program; large ones spread over all SMs.
     bl = block(4096)
-    args = _tables(buf.device, pairs, bl, to_buffer)
-    _copy_tiles_kernel[(args[3].numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
+    args = _tables(buf.device, pairs, bl, keep=to_buffer)
+    with _LAUNCH:
+        _copy_tiles_kernel[(args[3].numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
 
 
 def _split(buf: torch.Tensor, placed: Sequence[tuple[Any, Any]]):

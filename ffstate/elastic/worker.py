@@ -17,10 +17,12 @@ log = logging.getLogger("ffstate.elastic")
 
 class ShapeWatch:
     """``daemon()`` is this node's daemon (it may be replaced); ``pause(seconds)`` declares a wait that is not a
-    hang to the node's watchdog (``Replicated.pause``)."""
+    hang to the node's watchdog (``Replicated.pause``); ``flush()`` returns once the last commit is published (a
+    commit staged on a GPU is published after it returns)."""
 
-    def __init__(self, job: Job, daemon: Callable[[], Client], pause: Callable[[float], ContextManager]):
-        self.job, self.daemon, self.pause = job, daemon, pause
+    def __init__(self, job: Job, daemon: Callable[[], Client], pause: Callable[[float], ContextManager],
+                 flush: Callable[[], None] = lambda: None):
+        self.job, self.daemon, self.pause, self.flush = job, daemon, pause, flush
         self.old_world = 0  # after a resize: the old world size, until its copies are dropped
         self.start_step = 0
         self._marked = False  # after a resize: this rank has a copy of a version past v*
@@ -67,6 +69,7 @@ class ShapeWatch:
         log.warning("rank %d: node %s is being drained: stopping at step %d until it leaves the job", job.rank,
                     job.topology.node_id, step)
         job.record({"event": "drain-stopped", "step": step, "requested_unix": asked, "time": time.time()})
+        self.flush()  # the step it stops at is published before the daemon reads that it stopped there
         slots.set_drained(step)
         deadline = time.monotonic() + hold
         with self.pause(hold + 60):  # the watchdog does not take the wait for a hang

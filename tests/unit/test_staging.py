@@ -144,6 +144,59 @@ def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_
     slots.close()
 
 
+def test_a_drain_stops_at_a_staged_commit_once_it_is_published(tmp_path, monkeypatch):
+    """A node being drained stops its ranks at a commit, and the daemon takes the node out once every rank's newest
+    version is that step: the step a rank says it stopped at must be published by then, though a staged commit
+    lands after ``commit`` returns."""
+    import contextlib
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from ffstate import shm, staging
+    from ffstate.commit import SlotWriter
+    from ffstate.elastic.worker import ShapeWatch
+
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
+    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
+    gate = threading.Event()
+    pack = staging.Stager.pack
+
+    def gated_pack(self, state, out):
+        manifest, land = pack(self, state, out)
+        return manifest, lambda: (gate.wait(60), land())
+
+    monkeypatch.setattr(staging.Stager, "pack", gated_pack)
+    states = list(train_states(2))
+    manifest = layout.describe(states[0])
+    paths = shm.slot_paths("n0", "j", 0, 1)
+    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
+    slots = shm.Slots(paths, manifest)
+    writer = SlotWriter(slots)
+    said = []
+    set_drained = slots.set_drained
+    monkeypatch.setattr(slots, "set_drained", lambda step: (said.append((step, slots.committed()[0][0])),
+                                                            set_drained(step)))
+    job = SimpleNamespace(cfg=SimpleNamespace(drain_hold=0.2), rank=0, topology=SimpleNamespace(node_id="n0"),
+                          record=lambda event: None)
+    shape = ShapeWatch(job, lambda: None, lambda seconds: contextlib.nullcontext(), writer.flush)
+    try:
+        gate.set()
+        writer.commit(states[0], 1)
+        gate.clear()
+        writer.commit(states[1], 2)
+        assert slots.committed()[0][0] == 1  # landing
+        slots.set_drain(time.time())  # the daemon asks
+        threading.Timer(0.3, gate.set).start()
+        shape.after_commit(2, slots, 1)
+        assert said[0] == (2, 2)  # it said it stopped at 2 once 2 was published
+    finally:
+        gate.set()
+        writer.close()
+        slots.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_state_on_a_gpu_is_staged_and_its_slot_holds_the_cpu_path_s_bytes(tmp_path, monkeypatch):
     from ffstate import shm
@@ -257,6 +310,14 @@ def test_a_restore_onto_the_device_scatters_the_decoded_buffer_in_one_launch_bit
         dec.add(c)
     assert_bitwise_equal(dec.state(), state)
     assert launches == [tensors, tensors]
+    # A state larger than the window goes over in runs: the device never holds a second copy of the whole state.
+    from ffstate import staging
+
+    monkeypatch.setattr(staging, "WINDOW_BYTES", 200_000)
+    launches.clear()
+    got, _ = codec.unpack_verified(packed.manifest, packed.buffer)
+    assert_bitwise_equal(got, state)
+    assert len(launches) > 3 and sum(launches) == tensors
 
 
 def test_a_restore_onto_the_device_falls_back_to_copies_when_the_kernels_cannot_run(monkeypatch, caplog):
@@ -288,6 +349,6 @@ def test_a_state_on_a_gpu_is_restored_onto_it_bit_for_bit():
     host = mixed_state()
     state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in host.items()}
     packed = codec.pack(state)
-    got, _ = codec.unpack_verified(packed.manifest, packed.buffer)
+    got, _ = codec.unpack_verified(packed.manifest, packed.buffer.cpu())  # a slot's bytes, on the host
     assert all(got[k].is_cuda for k, v in state.items() if isinstance(v, torch.Tensor))
     assert_bitwise_equal({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}, host)
