@@ -108,7 +108,7 @@ def decode_snapshot(
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if inplace:
             raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
-        out = layout.alloc_buffer(manifest)
+        out = layout.empty_buffer(manifest.nbytes)  # not zeroed: every byte is a segment's (the groups tile it)
     else:
         if base is None:
             raise CodecError("this version is a delta: decoding it needs the base it was encoded against")

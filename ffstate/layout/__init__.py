@@ -13,8 +13,8 @@ The package: ``manifest`` (the plain-data description and its validation), ``tre
 ``buffers`` (bytes in and out of the flat buffer), ``gc`` (the collector paused over large walks).
 """
 
-from ffstate.layout.buffers import (alloc_buffer, array_bytes, copy_bits, empty_leaves, finish_leaves, iter_placed,
-                                    leaf_bytes, materialize, tensor_view)
+from ffstate.layout.buffers import (alloc_buffer, array_bytes, copy_bits, empty_buffer, empty_leaves, finish_leaves,
+                                    iter_placed, leaf_bytes, materialize, tensor_view)
 from ffstate.layout.gc import gc_paused
 from ffstate.layout.manifest import (ALIGN, DTYPE_NAMES, DTYPES, MAX_NDIM, MAX_TENSORS, Group, Manifest, TensorSpec,
                                      build_manifest, diff_layouts, per_layout)
@@ -23,6 +23,6 @@ from ffstate.layout.tree import (_match_known, analyze, analyze_known, decode_sc
 
 __all__ = ["ALIGN", "DTYPES", "DTYPE_NAMES", "Group", "MAX_NDIM", "MAX_TENSORS", "Manifest", "TensorSpec",
            "_match_known", "alloc_buffer", "analyze", "analyze_known", "array_bytes", "build_manifest", "copy_bits",
-           "decode_scalar", "describe", "diff_layouts", "empty_leaves", "encode_scalar", "finish_leaves", "flatten",
-           "gc_paused", "is_parameter", "iter_placed", "leaf_bytes", "materialize", "per_layout", "tensor_view",
-           "unflatten"]
+           "decode_scalar", "describe", "diff_layouts", "empty_buffer", "empty_leaves", "encode_scalar", "finish_leaves",
+           "flatten", "gc_paused", "is_parameter", "iter_placed", "leaf_bytes", "materialize", "per_layout",
+           "tensor_view", "unflatten"]
