@@ -1,9 +1,11 @@
 """One process, no torchrun: train with ffstate.replicate, optionally SIGKILL after a commit.
 
-    python tests/procs/single.py OUT STEPS [--kill-after S]
+    python tests/procs/single.py OUT STEPS [--kill-after S] [--staged]
 
 Prints "start S" (the step it resumed at) and, at the end, the restores its daemon reports of it
-("restores N to V lost L in Ss"); writes OUT/final.pt.
+("restores N to V lost L in Ss"); writes OUT/final.pt. ``--staged``: commits take the GPU's path with the CPU as the
+device (the Triton gather into a staging buffer, the copy into the slot landing after ``commit`` returns, published
+by the writer's thread); run it with ``FFSTATE_KERNELS=triton TRITON_INTERPRET=1``.
 """
 
 import argparse
@@ -26,7 +28,16 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("steps", type=int)
     p.add_argument("--kill-after", type=int, default=0)
+    p.add_argument("--staged", action="store_true")
     a = p.parse_args()
+    if a.staged:
+        import logging
+
+        from ffstate import staging
+
+        logging.basicConfig(level=logging.INFO)  # the writer says it stages
+
+        staging.wanted = lambda leaves: torch.device("cpu")
     torch.manual_seed(0)
     model = TinyGPT()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

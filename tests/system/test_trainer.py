@@ -122,6 +122,32 @@ def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
                          torch.load(tmp_path / "b" / "final.pt", weights_only=False))
 
 
+def test_a_staged_commit_killed_before_or_after_it_lands_resumes_bit_exact(tmp_path):
+    """The GPU's commit path in a real job, the CPU standing for the device (Triton under the interpreter): each
+    commit returns before its copy lands and a thread publishes it; a SIGKILL right after commit 4 returns leaves
+    version 4 or, had it not landed, 3; either way the job resumes there and ends bit-identical to a run without
+    the kill, and the job's exit waits for its last commit."""
+    env = {**os.environ, "FFSTATE_JOB_ID": f"g{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
+           "FFSTATE_BASE_PORT": str(free_ports(1)), "TMPDIR": str(tmp_path), "FFSTATE_KERNELS": "triton",
+           "TRITON_INTERPRET": "1"}
+    script = str(ROOT / "tests" / "procs" / "single.py")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    killed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9", "--kill-after", "4", "--staged"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9 and "commits are staged on cpu" in killed.stderr, killed.stderr[-3000:]
+    resumed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9", "--staged"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert re.search(r"^start [34]$", resumed.stdout, re.M), resumed.stdout
+    env2 = {**env, "FFSTATE_JOB_ID": f"g{uuid.uuid4().hex[:6]}", "FFSTATE_KERNELS": "torch"}
+    clean = subprocess.run([sys.executable, script, str(tmp_path / "b"), "9"], env=env2, capture_output=True,
+                           text=True, timeout=120)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    assert_bitwise_equal(torch.load(tmp_path / "a" / "final.pt", weights_only=False),
+                         torch.load(tmp_path / "b" / "final.pt", weights_only=False))
+
+
 def test_wrong_use_gets_clear_errors(monkeypatch):
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
