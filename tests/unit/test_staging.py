@@ -18,6 +18,28 @@ def mixed_state():
             "np": np.arange(10, dtype=np.uint32), "lr": 0.5}
 
 
+
+def _writer(manifest, job: str = "j"):
+    """A rank's slots for ``manifest`` (under the test's SHM_DIR) and a SlotWriter over them."""
+    from ffstate import shm
+    from ffstate.commit import SlotWriter
+
+    paths = shm.slot_paths("n0", job, 0, 1)
+    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
+    slots = shm.Slots(paths, manifest)
+    return slots, SlotWriter(slots)
+
+
+@pytest.fixture
+def staged_on_cpu(tmp_path, monkeypatch):
+    """Slots under the test's folder, and commits staged with the CPU as the device (the kernels forced)."""
+    from ffstate import shm, staging
+
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
+    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
+
+
 def test_a_staged_commit_writes_the_bytes_the_cpu_path_packs():
     for state in (mixed_state(), list(train_states(2))[-1]):
         manifest = layout.describe(state)
@@ -35,23 +57,14 @@ def test_staging_goes_where_the_state_s_bytes_are():
     assert wanted([torch.zeros(3), np.zeros(2), 1.0]) is None  # nothing on a GPU: the CPU path
 
 
-def test_a_slot_writer_stages_a_state_on_the_staging_device_and_publishes_what_the_cpu_path_packs(tmp_path,
-                                                                                               monkeypatch):
+def test_a_slot_writer_stages_a_state_on_the_staging_device_and_publishes_what_the_cpu_path_packs(staged_on_cpu):
     """The commit path as the trainer takes it: SlotWriter decides at its first commit to stage (here on the CPU,
     the device a GPU would be), then every commit's slot holds the bytes codec.pack makes, scalars published."""
-    from ffstate import shm, staging
-    from ffstate.commit import SlotWriter
     from ffstate.errors import LayoutChanged
 
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
-    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
     states = list(train_states(3))
     manifest = layout.describe(states[0])
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
-    slots = shm.Slots(paths, manifest)
-    writer = SlotWriter(slots)
+    slots, writer = _writer(manifest)
     try:
         for version, state in enumerate(states, 1):
             writer.commit(state, version)
@@ -67,19 +80,15 @@ def test_a_slot_writer_stages_a_state_on_the_staging_device_and_publishes_what_t
         slots.close()
 
 
-def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_has(tmp_path, monkeypatch):
+def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_has(staged_on_cpu, monkeypatch):
     """The training goes on while a staged commit's copy lands: commit returns with the slot unpublished, the
     state may change at once (the optimizer's update, the step counter) without reaching the committed version,
     the copy's landing publishes it, and the next commit, ``flush`` or ``close`` wait for it. A landing that
     fails leaves the version before it published and is raised by the next commit."""
     import threading
 
-    from ffstate import shm, staging
-    from ffstate.commit import SlotWriter
+    from ffstate import staging
 
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
-    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
     gate, landed, fail = threading.Event(), [], []
     pack = staging.Stager.pack
 
@@ -99,10 +108,7 @@ def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_
     states = [{**s, "np": np.arange(10, dtype=np.int64) + i, "t": torch.randn(5, 6)[:, :3].t()}
               for i, s in enumerate(train_states(3))]
     manifest = layout.describe(states[0])
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
-    slots = shm.Slots(paths, manifest)
-    writer = SlotWriter(slots)
+    slots, writer = _writer(manifest)
     try:
         gate.set()
         writer.commit(states[0], 1)
@@ -144,7 +150,7 @@ def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_
     slots.close()
 
 
-def test_a_drain_stops_at_a_staged_commit_once_it_is_published(tmp_path, monkeypatch):
+def test_a_drain_stops_at_a_staged_commit_once_it_is_published(staged_on_cpu, monkeypatch):
     """A node being drained stops its ranks at a commit, and the daemon takes the node out once every rank's newest
     version is that step: the step a rank says it stopped at must be published by then, though a staged commit
     lands after ``commit`` returns."""
@@ -153,13 +159,9 @@ def test_a_drain_stops_at_a_staged_commit_once_it_is_published(tmp_path, monkeyp
     import time
     from types import SimpleNamespace
 
-    from ffstate import shm, staging
-    from ffstate.commit import SlotWriter
+    from ffstate import staging
     from ffstate.elastic.worker import ShapeWatch
 
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    monkeypatch.setenv("FFSTATE_KERNELS", "triton")
-    monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
     gate = threading.Event()
     pack = staging.Stager.pack
 
@@ -170,10 +172,7 @@ def test_a_drain_stops_at_a_staged_commit_once_it_is_published(tmp_path, monkeyp
     monkeypatch.setattr(staging.Stager, "pack", gated_pack)
     states = list(train_states(2))
     manifest = layout.describe(states[0])
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
-    slots = shm.Slots(paths, manifest)
-    writer = SlotWriter(slots)
+    slots, writer = _writer(manifest)
     said = []
     set_drained = slots.set_drained
     monkeypatch.setattr(slots, "set_drained", lambda step: (said.append((step, slots.committed()[0][0])),
@@ -200,16 +199,12 @@ def test_a_drain_stops_at_a_staged_commit_once_it_is_published(tmp_path, monkeyp
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_state_on_a_gpu_is_staged_and_its_slot_holds_the_cpu_path_s_bytes(tmp_path, monkeypatch):
     from ffstate import shm
-    from ffstate.commit import SlotWriter
 
     monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
     host = mixed_state()
     state = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in host.items()}
     manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
-    slots = shm.Slots(paths, manifest)
-    writer = SlotWriter(slots)
+    slots, writer = _writer(manifest)
     try:
         writer.commit(state, 1)
         assert writer._stager is not None
@@ -234,7 +229,6 @@ def test_a_staged_commit_that_cannot_run_its_kernels_falls_back_to_copies_unless
     fails, the writer says so and copies tensor by tensor from then on, the slot right; with FFSTATE_KERNELS=triton
     the same failure is raised."""
     from ffstate import kernels, shm, staging
-    from ffstate.commit import SlotWriter
 
     def no_triton(*args, **kwargs):
         raise ImportError("No module named 'triton'")
@@ -249,10 +243,7 @@ def test_a_staged_commit_that_cannot_run_its_kernels_falls_back_to_copies_unless
             monkeypatch.setenv("FFSTATE_KERNELS", "triton")
         else:
             monkeypatch.delenv("FFSTATE_KERNELS", raising=False)
-        paths = shm.slot_paths("n0", f"j{int(forced)}", 0, 1)
-        shm.create_slots(paths, manifest, shm.DEFAULT_SCALARS_CAPACITY)
-        slots = shm.Slots(paths, manifest)
-        writer = SlotWriter(slots)
+        slots, writer = _writer(manifest, f"j{int(forced)}")
         try:
             if forced:
                 with pytest.raises(ImportError):
