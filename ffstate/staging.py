@@ -6,8 +6,8 @@ after the device's bytes. The commit does not wait for the copy: the training's 
 gather on its stream, and the slot is published once the copy's event has fired (``commit.SlotWriter`` waits for
 it off the training's thread); the snapshot then survives the process as on a CPU, for about one device-to-host
 copy of the state instead of one copy per tensor, none of it on the training's time. And the way back:
-``scatter`` moves a restored state's device tensors from the decoded buffer onto the device by one
-host-to-device copy and the scatter kernel.
+``scatter`` moves a restored state's device tensors from the decoded buffer onto the device in host-to-device
+copies of up to ``WINDOW_BYTES`` and the scatter kernel.
 
 Thin on purpose: the kernels are the tested part (``kernels/gather.py``, checked against the CPU path under
 ``TRITON_INTERPRET=1``); what is CUDA's own here is a stream, events and the registration of the slot's pages.
@@ -15,6 +15,7 @@ On a CPU (the kernels forced with ``FFSTATE_KERNELS=triton``) the same code runs
 slot then being what ``land`` does, which is how the tests check the staged layout and its late publication bit
 for bit.
 """
+
 from __future__ import annotations
 
 import contextlib
