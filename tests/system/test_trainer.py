@@ -100,52 +100,40 @@ def test_manual_data_parallel_gets_a_profiled_timeline_and_resumes_bit_exact(tmp
 
 
 def test_single_process_killed_after_a_commit_resumes_bit_exact(tmp_path):
-    env = {**os.environ, "FFSTATE_JOB_ID": f"s{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
-           "FFSTATE_BASE_PORT": str(free_ports(1)), "TMPDIR": str(tmp_path)}
+    """One process, no torchrun, SIGKILLed right after commit 4 returns, resumed, ends bit-identical to a run
+    without the kill; and the same on the GPU's commit path with the CPU as the device (``--staged``: Triton under
+    the interpreter, each commit returning before its copy lands and a thread publishing it), where the kill leaves
+    version 4 or, had it not landed, 3, and the job resumes there."""
+    base = {**os.environ, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(1)),
+            "TMPDIR": str(tmp_path)}
     script = str(ROOT / "tests" / "procs" / "single.py")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    killed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9", "--kill-after", "4"], env=env,
-                            capture_output=True, text=True, timeout=120)
+
+    def run(out: str, *args: str, staged: bool = False, job: str = "") -> subprocess.CompletedProcess:
+        (tmp_path / out).mkdir(exist_ok=True)
+        env = {**base, "FFSTATE_JOB_ID": job or f"s{uuid.uuid4().hex[:6]}",
+               **({"FFSTATE_KERNELS": "triton", "TRITON_INTERPRET": "1"} if staged else {})}
+        return subprocess.run([sys.executable, script, str(tmp_path / out), "9", *args, *(["--staged"] * staged)],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    job = f"s{uuid.uuid4().hex[:6]}"
+    killed = run("a", "--kill-after", "4", job=job)
     assert killed.returncode == -9 and "start 0" in killed.stdout
-    resumed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9"], env=env, capture_output=True,
-                             text=True, timeout=120)
+    resumed = run("a", job=job)
     assert resumed.returncode == 0 and "start 4" in resumed.stdout, resumed.stderr
     # Its daemon (the one the first run started) holds the restore's record, which ff.stats() reports.
     got = re.search(r"restores (\d+) to (\d+) lost (\d+) in ([\d.]+)s", resumed.stdout)
     assert got and got.groups()[:3] == ("1", "4", "0") and float(got.group(4)) > 0, resumed.stdout
-    env2 = {**env, "FFSTATE_JOB_ID": f"s{uuid.uuid4().hex[:6]}"}
-    clean = subprocess.run([sys.executable, script, str(tmp_path / "b"), "9"], env=env2, capture_output=True,
-                           text=True, timeout=120)
-    assert clean.returncode == 0, clean.stderr
-    assert_bitwise_equal(torch.load(tmp_path / "a" / "final.pt", weights_only=False),
-                         torch.load(tmp_path / "b" / "final.pt", weights_only=False))
-
-
-def test_a_staged_commit_killed_before_or_after_it_lands_resumes_bit_exact(tmp_path):
-    """The GPU's commit path in a real job, the CPU standing for the device (Triton under the interpreter): each
-    commit returns before its copy lands and a thread publishes it; a SIGKILL right after commit 4 returns leaves
-    version 4 or, had it not landed, 3; either way the job resumes there and ends bit-identical to a run without
-    the kill, and the job's exit waits for its last commit."""
-    env = {**os.environ, "FFSTATE_JOB_ID": f"g{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
-           "FFSTATE_BASE_PORT": str(free_ports(1)), "TMPDIR": str(tmp_path), "FFSTATE_KERNELS": "triton",
-           "TRITON_INTERPRET": "1"}
-    script = str(ROOT / "tests" / "procs" / "single.py")
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    killed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9", "--kill-after", "4", "--staged"],
-                            env=env, capture_output=True, text=True, timeout=120)
+    job = f"g{uuid.uuid4().hex[:6]}"
+    killed = run("g", "--kill-after", "4", staged=True, job=job)
     assert killed.returncode == -9 and "commits are staged on cpu" in killed.stderr, killed.stderr[-3000:]
-    resumed = subprocess.run([sys.executable, script, str(tmp_path / "a"), "9", "--staged"], env=env,
-                             capture_output=True, text=True, timeout=120)
+    resumed = run("g", staged=True, job=job)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert re.search(r"^start [34]$", resumed.stdout, re.M), resumed.stdout
-    env2 = {**env, "FFSTATE_JOB_ID": f"g{uuid.uuid4().hex[:6]}", "FFSTATE_KERNELS": "torch"}
-    clean = subprocess.run([sys.executable, script, str(tmp_path / "b"), "9"], env=env2, capture_output=True,
-                           text=True, timeout=120)
-    assert clean.returncode == 0, clean.stderr[-3000:]
-    assert_bitwise_equal(torch.load(tmp_path / "a" / "final.pt", weights_only=False),
-                         torch.load(tmp_path / "b" / "final.pt", weights_only=False))
+    clean = run("b")
+    assert clean.returncode == 0, clean.stderr
+    reference = torch.load(tmp_path / "b" / "final.pt", weights_only=False)
+    for out in ("a", "g"):
+        assert_bitwise_equal(torch.load(tmp_path / out / "final.pt", weights_only=False), reference)
 
 
 def test_wrong_use_gets_clear_errors(monkeypatch):
