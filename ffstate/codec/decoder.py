@@ -104,17 +104,15 @@ class Decoder:
             raise CodecError(f"version has {head.count - 1} segment chunks, its manifest needs {need}")
         self._segments = segments(manifest, header["chunk_bytes"])
         self._manifest, self._count = manifest, head.count
+        # Not zeroed: a full version's segments cover every byte (the dtype groups tile the buffer, padding included;
+        # zeroing it first held a 40 MB restore's start 8 ms), and a part reads only the bytes its segments write.
+        self._out = layout.empty_buffer(manifest.nbytes)
         if self._want is not None:
             spans = sorted((t.offset, t.offset + t.nbytes) for t in manifest.tensors if t.nbytes and self._want(t.name))
             self._needed = {0} | {i + 1 for i, (off, n, size) in enumerate(self._segments)
                                   if _overlaps(spans, off, off + n * size)}
             self.needed = sorted(self._needed)
-            # Uninitialised, never read outside the wanted bytes: only the pages the needed segments write are used.
-            self._out = layout.empty_buffer(manifest.nbytes)
         else:
-            # Not zeroed: a full version's segments cover every byte (the dtype groups tile the buffer, padding
-            # included), and zeroing it first held the restore's start 8 ms a 40 MB state, before any chunk decoded.
-            self._out = layout.empty_buffer(manifest.nbytes)
             self._plan_unpacking(manifest)
         self.header = header
 
