@@ -217,6 +217,8 @@ class Replicated:
                 self._slots.set_paused(0.0)
 
     def _close(self) -> None:
+        if self._slots is not None:  # first: the daemon asks for stacks only where the record names a file
+            self._slots.set_left()
         if self._stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
             self._stacks.close()

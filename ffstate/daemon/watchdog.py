@@ -16,11 +16,13 @@ so it watches them, with no thread in the training process and no code in the us
   from the rank's newest commit, or its newest sign of life: its attach, the end of an ``ff.pause()``
   (inside one the rank is not watched: an evaluation or a checkpoint between commits is not a hang), the
   end of a commit held by the lag policy on any of the job's local ranks (``lag.py``: bounded on its own, and
-  the node's other ranks wait for the held one in their collectives).
+  the node's other ranks wait for the held one in their collectives). A worker that left ``ffstate.replicate``
+  and lives on (an in-process restart, ``ffstate/inprocess/``) has the startup allowance again from its leave.
 - **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's; with it every
   local rank of the job silent as long, since the ranks' deadlines differ only by how their medians were sampled), the
-  daemon sends SIGUSR1 to every local rank of that job (each worker registered ``faulthandler`` for it at
-  entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder), waits a second,
+  daemon sends SIGUSR1 to every local rank of that job whose record names a stacks file (each worker registered
+  ``faulthandler`` for it at entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run
+  folder, and clears the name before it unregisters: without the handler the signal ends the process), waits a second,
   logs where each one's main thread is (its innermost frame, and the innermost outside torch: the rank that
   never reached the collective shows its own code, the others torch's collective), then, under
   ``hang_action=kill``, SIGKILLs them. torchrun restarts the group; the restart restores from the slots as
@@ -233,9 +235,10 @@ class Watchdog:
             reports = {k: self.ranks[k].report for k in stuck}
         paths = {}
         for key, slots in self.shards():
-            if key in local:
+            if key in local:  # read again: a worker that has left ffstate since has no handler for the signal
                 record = slots.worker()
-                paths[key] = Path(record.stacks_path) if record is not None and record.stacks_path else None
+                paths[key] = (Path(record.stacks_path) if record is not None and record.pid == local[key].pid
+                              and record.stacks_path else None)
         for key in stuck:
             r = reports[key]
             log.error("%s is hung: no commit for %.0fs (deadline %.0fs: %s); asking the job's %d local ranks for "

@@ -63,6 +63,17 @@ class WorkerFields:
         h.commit_count = 0
         h.worker_pid = pid
 
+    def set_left(self) -> None:
+        """The worker left ``ffstate.replicate`` (its ``faulthandler`` for SIGUSR1 unregistered after this): no
+        stacks to ask it for, and until it attaches again (an in-process restart enters again in the same process;
+        under torchrun it exits) its deadline is the startup allowance, counted from now."""
+        if not self.headers:  # closed already
+            return
+        h = self.headers[0]
+        h.stacks_len = 0
+        h.alive_ns = time.time_ns()
+        h.commit_count = 0
+
     def set_commit_seconds(self, seconds: float) -> None:
         """How long the worker's newest commit held its training loop (the daemon's metrics report it)."""
         self.headers[0].commit_seconds = seconds

@@ -55,9 +55,22 @@ def progress(out: Path) -> list[dict]:
 def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not any(r.get("step", 0) >= step for r in progress(out)):
-        assert time.monotonic() < deadline, f"no step {step} within {timeout}s"
-        assert all(p.poll() in (None, 0, -9) for p in procs), [p.poll() for p in procs]
+        assert time.monotonic() < deadline, f"no step {step} within {timeout}s" + evidence(out, procs)
+        assert all(p.poll() in (None, 0, -9) for p in procs), f"{[p.poll() for p in procs]}" + evidence(out, procs)
         time.sleep(0.05)
+
+
+def evidence(out: Path, procs: list[subprocess.Popen]) -> str:
+    """What a failure's report needs when the run folder is gone (CI): the daemons' errors and warnings, and the end
+    of the log of each process that ended other than killed."""
+    lines = []
+    for log in sorted(out.glob("ffstate-*/daemon-*.log")):
+        lines += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()
+                  if " ERROR " in line or " WARNING " in line][-15:]
+    for i, p in enumerate(procs):
+        if p.poll() not in (None, 0, -9):
+            lines += [f"p{i}.log: {line}" for line in (out / f"p{i}.log").read_text(errors="replace").splitlines()[-15:]]
+    return "\n" + "\n".join(lines)
 
 
 def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float = 400) -> list[int]:

@@ -211,3 +211,55 @@ def test_steps_much_shorter_than_a_look_end_the_warm_up_and_a_hang_after_them_is
     clock["now"] += 1.0  # 2.5 s after its last commit: past the deadline
     dog.look()
     assert (slots.record.pid, signal.SIGKILL) in signals
+
+
+def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startup_allowance(tmp_path, monkeypatch):
+    """Under the in-process engine a rank leaves ``ffstate.replicate`` at a restart and stays in its process, its
+    SIGUSR1 handler (``faulthandler``) unregistered, until it enters again. Its record (real slots, as the worker
+    writes them) then names no stacks file and restarts the warm-up: the restart is not taken for a hang at the
+    step-based deadline, and the signal that would end a process without the handler is never sent to it."""
+    import time
+
+    from ffstate import layout, shm
+    from ffstate.commit import SlotWriter
+
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    import torch
+
+    state = {"w": torch.zeros(10)}
+    manifest = layout.describe(state)
+    keys = {"left": ShardKey("a", 0, 1), "stays": ShardKey("b", 0, 1)}
+    slots = {}
+    for name, key in keys.items():
+        paths = shm.slot_paths("n0", key.job_id, 0, 1)
+        shm.create_slots(paths, manifest, 4096)
+        slots[name] = (shm.Slots(paths, manifest), shm.Slots(paths, manifest))  # (the worker's, the daemon's)
+    pids = {"left": 51, "stays": 52}
+    clock = {"now": time.time()}
+    signals: list[tuple[int, int]] = []
+    dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0),
+                   lambda: [(keys[n], slots[n][1]) for n in keys], kill=lambda pid, sig: signals.append((pid, sig)),
+                   clock=lambda: clock["now"], sleep=lambda s: None)
+    try:
+        for name, (worker, _) in slots.items():
+            worker.set_worker(pids[name], str(tmp_path / f"stacks-{name}.txt"))
+            writer = SlotWriter(worker)
+            for v in range(1, 6):
+                writer.commit(state, v)
+                time.sleep(0.01)
+        clock["now"] = time.time()
+        dog.look()
+        assert dog.report(keys["left"]).deadline_seconds == 2.0  # warm: the floor
+        slots["left"][0].set_left()
+        clock["now"] += 3.0  # past the floor for both
+        dog.look()
+        assert dog.report(keys["left"]).deadline_seconds == 30.0  # the startup allowance, from the leave
+        assert signals == [(52, signal.SIGUSR1), (52, signal.SIGKILL)]
+        clock["now"] += 30.0  # past the allowance: acted on, without the signal it has no handler for
+        dog.look()
+        assert signals[2:] == [(51, signal.SIGKILL)]
+    finally:
+        for pair in slots.values():
+            for s in pair:
+                s.close()
