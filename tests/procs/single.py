@@ -1,17 +1,20 @@
 """One process, no torchrun: train with ffstate.replicate, optionally SIGKILL after a commit.
 
-    python tests/procs/single.py OUT STEPS [--kill-after S] [--staged]
+    python tests/procs/single.py OUT STEPS [--kill-after S] [--staged] [--leave-after S --stay SECONDS]
 
 Prints "start S" (the step it resumed at) and, at the end, the restores its daemon reports of it
 ("restores N to V lost L in Ss"); writes OUT/final.pt. ``--staged``: commits take the GPU's path with the CPU as the
 device (the Triton gather into a staging buffer, the copy into the slot landing after ``commit`` returns, published
-by the writer's thread); run it with ``FFSTATE_KERNELS=triton TRITON_INTERPRET=1``.
+by the writer's thread); run it with ``FFSTATE_KERNELS=triton TRITON_INTERPRET=1``. ``--leave-after``: an error
+leaves ``ffstate.replicate`` after that commit, and the process stays ``--stay`` seconds before it exits 0 (printing
+"stayed"), as an in-process restart keeps a rank's process between two entries.
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +32,20 @@ def main() -> None:
     p.add_argument("steps", type=int)
     p.add_argument("--kill-after", type=int, default=0)
     p.add_argument("--staged", action="store_true")
+    p.add_argument("--leave-after", type=int, default=0)
+    p.add_argument("--stay", type=float, default=0.0)
     a = p.parse_args()
+    if a.leave_after:
+        try:
+            train(a)
+        except InterruptedError:
+            time.sleep(a.stay)
+            print("stayed", flush=True)
+        return
+    train(a)
+
+
+def train(a: argparse.Namespace) -> None:
     if a.staged:
         import logging
 
@@ -56,6 +72,8 @@ def main() -> None:
             ff.commit(step + 1)
             if step + 1 == a.kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step + 1 == a.leave_after:
+                raise InterruptedError(f"interrupted after step {step + 1}")
         stats = ff.stats()  # the daemon's view of this rank, restores included
         r = stats.restore or ffstate.reports.RestoreReport()
         print(f"restores {r.restores} to {r.version} lost {r.steps_lost} in {r.seconds:.6f}s", flush=True)

@@ -1,7 +1,8 @@
 """Hangs and stragglers under real torchrun, in one job: a straggler is reported, a slow but healthy step and a
 declared pause are left alone, and two hangs (a rank asleep in its own code, then one stuck in a receive nobody
 answers) are each found by the node's daemon from the commits, every local rank's stacks written, the ranks
-killed, and the restarted group ends bit-identical to the run without a hang, no step lost.
+killed, and the restarted group ends bit-identical to the run without a hang, no step lost. And a rank that left
+``ffstate.replicate`` and lives on (an in-process restart) is not taken for hung.
 
 The job is the demo's (4 ranks as 2 simulated nodes, DDP + ZeRO), with the watchdog's deadline floor at 3 s
 (``FFSTATE_HANG_FLOOR``) so that a hang costs seconds here; the faults come from ``demo/faults.py``.
@@ -70,3 +71,34 @@ def test_hangs_are_found_with_their_stacks_and_cost_no_step_slow_steps_and_pause
     ratios = [(int(r), float(x)) for r, x in re.findall(r"rank (\d) of 4 straggles: [\d.]+s of compute a step, "
                                                         r"([\d.]+)x the median", text0 + text1)]
     assert max((x for r, x in ratios if r != 3), default=0.0) < min(x for r, x in ratios if r == 3), ratios
+
+
+def test_a_rank_that_left_replicate_and_stays_in_its_process_is_not_taken_for_hung(tmp_path):
+    """An in-process restart keeps a rank's process between two entries into ``ffstate.replicate``: it leaves with
+    an error, its SIGUSR1 handler gone, and may take longer than the step-based deadline to come back (the engine's
+    restart, a new process group, a restore, a compile). One process, its deadline floor at 1 s: it commits 6 fast
+    steps, leaves, and stays 4 s. Its daemon must neither signal it (without the handler SIGUSR1 ends the process:
+    a CI run lost every rank of the in-process test so) nor take the restart for a hang."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from ffstate.bench._report import free_ports
+
+    job = f"l{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(1)),
+           "TMPDIR": str(tmp_path), "FFSTATE_JOB_ID": job, "FFSTATE_HANG_FLOOR": "1", "FFSTATE_HANG_STARTUP": "30"}
+    (tmp_path / "out").mkdir()
+    script = Path(__file__).resolve().parents[1] / "procs" / "single.py"
+    log = ""
+    try:
+        got = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), "9", "--leave-after", "6", "--stay",
+                              "4"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for pid_file in tmp_path.glob(f"ffstate-{job}/daemon-*.pid"):
+            log = pid_file.with_suffix(".log").read_text()
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    assert got.returncode == 0 and "stayed" in got.stdout, (got.returncode, got.stderr[-3000:])
+    assert "is hung" not in log, log[-3000:]
