@@ -56,6 +56,10 @@ class Config:
             exits when the job is over or after ``daemon_idle_exit`` seconds without a request or a commit).
         daemon_memory_limit: the started daemon's budget (``--memory-limit``, e.g. ``8G``); "" is its default.
         daemon_idle_exit: seconds without a request or a commit after which a started daemon exits.
+        daemon_nice: the started daemon's CPU priority (``--nice``): a niceness 0-19 (default 0), or "idle"
+            (SCHED_IDLE: only the CPU nobody else wants; the lag policy then holds commits until replication
+            catches up). On 2 cores shared with 4 ranks, 19 against 0 did not change the step (the daemons run
+            while the ranks wait in their collectives either way: benchmarks/2026-11-26-daemon-policy.md).
         max_lag: W, how many versions replication may fall behind the training before the lag
             policy acts; also the deltas each holder keeps to step back. 1 (the default) bounds a node's loss at one
             step: a commit waits, when it must, until every holder has the step before it.
@@ -144,6 +148,7 @@ class Config:
     start_daemon: bool = True
     daemon_memory_limit: str = ""
     daemon_idle_exit: float = 600.0
+    daemon_nice: str = "0"
     max_lag: int = 1
     lag_policy: str = "block"
     shadow_ddp_step: bool = True
@@ -177,6 +182,7 @@ class Config:
     def __post_init__(self) -> None:
         check_hang(self)
         check_persist(self)
+        priority(self.daemon_nice, "daemon_nice")
         if self.resize_rng not in RESIZE_RNG:
             raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
         if not self.drain_hold > 0:

@@ -30,21 +30,21 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
 
     cfg = Config(replicas=1, max_lag=6, daemon_memory_limit="1.5G", daemon_idle_exit=42.0, scheduler="naive",
                  link_share=0.25, link_bandwidth="25M", metrics_port=9100, base_port=7800, persist_dir=str(tmp_path),
-                 persist_nice="7")
+                 persist_nice="7", daemon_nice="19")
     want = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)
     args = build_parser().parse_args(["serve", *want.to_args()])
     got = DaemonConfig.from_args(args, token=want.token)
     assert got == want
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
         7801, "node1", 7, 3 << 29, 25 << 20, 9101)  # keep_deltas: max_lag + 1
-    assert (got.persist_dir, got.persist_nice) == (tmp_path, 7)
+    assert (got.persist_dir, got.persist_nice, got.nice) == (tmp_path, 7, 19)
     assert "--token" not in " ".join(want.to_args())
     with pytest.raises(ValueError, match="go together"):
         DaemonConfig(tls_cert=tmp_path / "cert.pem")
 
 
 
-def test_the_flushing_process_priority_is_idle_or_a_niceness(monkeypatch):
+def test_the_flushing_process_and_the_started_daemon_priorities_are_idle_or_a_niceness(monkeypatch):
     from ffstate.config import DaemonConfig
 
     assert Config().persist_nice == "idle" and DaemonConfig().persist_nice == "idle"
@@ -53,3 +53,9 @@ def test_the_flushing_process_priority_is_idle_or_a_niceness(monkeypatch):
         Config.from_env()
     with pytest.raises(ValueError, match="persist_nice"):
         DaemonConfig(persist_nice="low")
+    monkeypatch.setenv("FFSTATE_PERSIST_NICE", "idle")
+    monkeypatch.setenv("FFSTATE_DAEMON_NICE", "-5")  # a started daemon may lower its priority, never raise it
+    with pytest.raises(ValueError, match="daemon_nice must be a niceness 0-19 or 'idle', got '-5'"):
+        Config.from_env()
+    monkeypatch.setenv("FFSTATE_DAEMON_NICE", "idle")
+    assert Config.from_env().daemon_nice == "idle" and Config().daemon_nice == "0"
