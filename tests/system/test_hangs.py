@@ -8,13 +8,19 @@ The job is the demo's (4 ranks as 2 simulated nodes, DDP + ZeRO), with the watch
 (``FFSTATE_HANG_FLOOR``) so that a hang costs seconds here; the faults come from ``demo/faults.py``.
 """
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import uuid
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from ffstate.bench import chaos
+from ffstate.bench._report import free_ports
 
 pytestmark = pytest.mark.timeout(600)
 KNOBS = {"FFSTATE_HANG_FLOOR": "3", "FFSTATE_HANG_STARTUP": "30"}
@@ -79,14 +85,6 @@ def test_a_rank_that_left_replicate_and_stays_in_its_process_is_not_taken_for_hu
     restart, a new process group, a restore, a compile). One process, its deadline floor at 1 s: it commits 6 fast
     steps, leaves, and stays 4 s. Its daemon must neither signal it (without the handler SIGUSR1 ends the process:
     a CI run lost every rank of the in-process test so) nor take the restart for a hang."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import uuid
-
-    from ffstate.bench._report import free_ports
-
     job = f"l{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(1)),
            "TMPDIR": str(tmp_path), "FFSTATE_JOB_ID": job, "FFSTATE_HANG_FLOOR": "1", "FFSTATE_HANG_STARTUP": "30"}

@@ -220,13 +220,13 @@ def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startu
     step-based deadline, and the signal that would end a process without the handler is never sent to it."""
     import time
 
+    import torch
+
     from ffstate import layout, shm
     from ffstate.commit import SlotWriter
 
     monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
     monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    import torch
-
     state = {"w": torch.zeros(10)}
     manifest = layout.describe(state)
     keys = {"left": ShardKey("a", 0, 1), "stays": ShardKey("b", 0, 1)}
