@@ -23,7 +23,8 @@ class Method(NamedTuple):
     kind: str  # unary_unary, stream_unary (client streams), unary_stream (server streams)
     request: type
     response: type
-    # Push's requests and Fetch's responses are framed by hand (``with_payload``): bytes on that side.
+    # Push's requests and Fetch's responses are framed by hand (``with_payload``, ``parse_with_payload``): bytes on
+    # the wire's side, the payload a view of them on the receiving one.
     raw_request: bool = False
     raw_response: bool = False
 

@@ -131,18 +131,21 @@ class Servicer:
 
     # ------------------------------------------------------------ replicas
 
-    def Push(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushResult:
+    def Push(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> pb.PushResult:
         ident = next(self._ids)
         seen = [context, time.monotonic()]
         commit = [False]  # what the last chunk said: apply the version once staged, in this call
 
         def chunks() -> Iterator[IncomingChunk]:
-            for m in request_iterator:
+            for raw in request_iterator:
                 seen[1] = time.monotonic()
                 self.node.touch()
+                # The payload stays a view of the received bytes: protobuf's parse and its field access each
+                # copied it (about 150 us a MB of the holder's CPU, in every push).
+                m, payload = wire.parse_with_payload(raw, pb.PushChunk, 7)
                 commit[0] = m.commit
                 yield IncomingChunk(_key(m.shard), m.version, m.base_version, m.chunk_index, m.chunk_count,
-                                    m.checksum, m.payload)
+                                    m.checksum, payload)
 
         def run() -> pb.PushResult:
             if not self._pushes.acquire(blocking=False):
@@ -238,11 +241,12 @@ class Servicer:
     # ------------------------------------------------------------ wiring
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        """One handler per method of the wire's table; Fetch's responses are framed by hand (one copy)."""
+        """One handler per method of the wire's table; Push's requests are parsed and Fetch's responses framed by
+        hand (the payload never copied by protobuf)."""
         handlers = {}
         for name, m in wire.METHODS.items():
             make = getattr(grpc, f"{m.kind}_rpc_method_handler")
-            handlers[name] = make(getattr(self, name), m.request.FromString,
+            handlers[name] = make(getattr(self, name), (lambda b: b) if m.raw_request else m.request.FromString,
                                   (lambda b: b) if m.raw_response else m.response.SerializeToString)
         return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
 

@@ -84,7 +84,7 @@ class IncomingChunk:
     index: int
     count: int
     checksum: int
-    payload: bytes
+    payload: bytes | memoryview
 
 
 class Store:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from daemons import TOKEN, held_version, make_tls
-from ffstate import codec, layout
+from ffstate import codec, layout, wire
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
 from ffstate.client import Client
@@ -341,3 +341,19 @@ def test_generated_stubs_are_current():
 def test_manifest_json_in_header_is_plain_data(states):
     head = json.loads(bytes(codec.encode(states[0]).chunks[0].payload))
     assert head["kind"] == "full" and isinstance(head["manifest"], dict)
+
+
+def test_a_push_message_that_is_not_protobuf_is_invalid_argument_and_changes_nothing(shared_held, states):
+    """The daemon parses a push's messages itself (the payload stays a view of the received bytes): a message whose
+    field runs past its end is refused with INVALID_ARGUMENT, before anything of the version is held."""
+    d, _ = shared_held
+    good = [m.SerializeToString() for m in messages(codec.encode(states[1], states[0], chunk_bytes=CHUNK), 2, 1)]
+    bad = good[:1] + [b"\x0a\xff\xff\xff\xff\x0f"] + good[2:]  # field 1, 4 GiB long, in 6 bytes
+    with grpc.insecure_channel(d.address) as channel:
+        push = channel.stream_unary(wire.path("Push"), request_serializer=lambda b: b,
+                                    response_deserializer=pb.PushResult.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            push(iter(bad), metadata=(("ffstate-token", TOKEN),), timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert "runs past its end" in e.value.details()
+    assert_still_version_1(d, states)
