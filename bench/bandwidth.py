@@ -3,7 +3,8 @@
 In one run, between two local processes (or, with ``--daemon HOST:PORT``, to that daemon):
 
 - gRPC **push** (the client streams one version's chunks to a daemon, which verifies and stages
-  them) and **fetch** (the daemon streams a full version back) for each chunk size;
+  them) and **fetch** (the daemon streams a full version back) for each chunk size; with a local daemon, the CPU
+  a push costs it and the client (seconds per GB pushed);
 - a **raw TCP** socket moving the same bytes (one ``sendall``, ``recv_into`` a buffer): the ceiling;
 - **gloo** ``send``/``recv`` of a uint8 tensor of the same size between two torch.distributed ranks.
 
@@ -117,16 +118,33 @@ def start_daemon(token: str, memory: int, host: str = "127.0.0.1", prefix: Seque
     return proc, line.rsplit(" ", 1)[-1].strip()
 
 
-def grpc_sweep(address: str, token: str, nbytes: int, chunks: list[int], repeats: int, progress) -> dict:
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used; None where /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def grpc_sweep(address: str, token: str, nbytes: int, chunks: list[int], repeats: int, progress,
+               holder_pid: int | None = None) -> dict:
+    """Push and fetch times per chunk size; with ``holder_pid`` (a local daemon), the CPU a push costs the holder
+    and this client, seconds per GB pushed (over the warm-up and the repeats)."""
     data = {"w": np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)}
     out = {}
     with Client(address, token, timeout=120) as c:
         for cs in chunks:
             packed = codec.encode(data, chunk_bytes=cs)
+            holder0, client0 = process_cpu(holder_pid) if holder_pid else None, process_cpu(os.getpid())
             push = _timed(lambda: c.push(JOB, 0, 1, 1, packed), repeats)
+            holder1, client1 = process_cpu(holder_pid) if holder_pid else None, process_cpu(os.getpid())
+            gb = (repeats + 1) * nbytes / 1e9
             c.commit(JOB, 0, 1, 1)
             fetch = _timed(lambda: c.fetch_chunks(JOB, 0, 1, 1), repeats)
-            out[cs] = {"push": push, "fetch": fetch, "wire_bytes": packed.nbytes}
+            out[cs] = {"push": push, "fetch": fetch, "wire_bytes": packed.nbytes,
+                       "holder_cpu": (holder1 - holder0) / gb if holder0 is not None and holder1 is not None else None,
+                       "client_cpu": (client1 - client0) / gb if client0 is not None and client1 is not None else None}
             progress()
         c.drop(JOB)
     return out
@@ -143,7 +161,7 @@ def run(nbytes: int, chunks: list[int], repeats: int, daemon: str | None, out_di
         with Progress(transient=True) as bar:
             task = bar.add_task("measuring", total=len(chunks) + (0 if proc is None else 2))
             step = lambda: bar.advance(task)  # noqa: E731
-            sweep = grpc_sweep(daemon, token, nbytes, chunks, repeats, step)
+            sweep = grpc_sweep(daemon, token, nbytes, chunks, repeats, step, proc.pid if proc is not None else None)
             tcp = gloo_t = None
             if proc is not None:  # the baselines run between local processes only
                 tcp = raw_tcp(nbytes, repeats)
@@ -160,7 +178,9 @@ def run(nbytes: int, chunks: list[int], repeats: int, daemon: str | None, out_di
         "environment": environment("cpu"),
         "config": {"nbytes": nbytes, "repeats": repeats, "daemon": daemon if proc is None else "local subprocess"},
         "grpc": {str(cs): {"push_GBps": gbps(v["push"]), "fetch_GBps": gbps(v["fetch"]), "wire_bytes": v["wire_bytes"],
-                           "push_seconds": v["push"], "fetch_seconds": v["fetch"]} for cs, v in sweep.items()},
+                           "push_seconds": v["push"], "fetch_seconds": v["fetch"],
+                           "push_holder_cpu_s_per_GB": v["holder_cpu"], "push_client_cpu_s_per_GB": v["client_cpu"]}
+                 for cs, v in sweep.items()},
     }
     if tcp is not None:
         result["raw_tcp"] = {"GBps": gbps(tcp), "seconds": tcp}
@@ -174,15 +194,20 @@ def report(result: dict) -> str:
     cfg = result["config"]
     tcp = result.get("raw_tcp", {}).get("GBps")
     rows = []
+    cpu = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for cs, v in result["grpc"].items():
         for what in ("push", "fetch"):
             g = v[f"{what}_GBps"]
-            rows.append([f"gRPC {what}", f"{int(cs) >> 10} KiB", f"{g:.3f}", f"{g / tcp:.2f}" if tcp else "-"])
+            rows.append([f"gRPC {what}", f"{int(cs) >> 10} KiB", f"{g:.3f}", f"{g / tcp:.2f}" if tcp else "-",
+                         *((cpu(v.get("push_holder_cpu_s_per_GB")), cpu(v.get("push_client_cpu_s_per_GB")))
+                           if what == "push" else ("-", "-"))])
     if tcp:
-        rows.append(["raw TCP", "-", f"{tcp:.3f}", "1.00"])
-        rows.append(["gloo send/recv", "-", f"{result['gloo']['GBps']:.3f}", f"{result['gloo']['GBps'] / tcp:.2f}"])
-    head = f"{cfg['nbytes'] >> 20} MiB per transfer to {cfg['daemon']}, median of {cfg['repeats']}"
-    lines = [head, "", table(rows, ["transport", "chunk", "GB/s", "x raw TCP"])]
+        rows.append(["raw TCP", "-", f"{tcp:.3f}", "1.00", "-", "-"])
+        rows.append(["gloo send/recv", "-", f"{result['gloo']['GBps']:.3f}", f"{result['gloo']['GBps'] / tcp:.2f}",
+                     "-", "-"])
+    head = (f"{cfg['nbytes'] >> 20} MiB per transfer to {cfg['daemon']}, median of {cfg['repeats']}; a push's CPU: the "
+            "holder's and this client's, seconds per GB pushed")
+    lines = [head, "", table(rows, ["transport", "chunk", "GB/s", "x raw TCP", "holder CPU s/GB", "client CPU s/GB"])]
     if "best_chunk_bytes" in result:
         lines.append(f"\nbest chunk size (highest of min(push, fetch)): {result['best_chunk_bytes'] >> 10} KiB")
     return "\n".join(lines)

@@ -24,6 +24,9 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["benchmark"] == name.split("-")[0]
     assert (tmp_path / f"{name}.png").exists()
+    if name == "bandwidth":  # a local daemon: the CPU a push costs it and the client, measured
+        row = result["grpc"][str(256 << 10)]
+        assert row["push_holder_cpu_s_per_GB"] is not None and row["push_client_cpu_s_per_GB"] is not None
     if name == "overhead":
         naive = result["jobs"]["ddp @ loopback"]["naive"]
         assert naive["commit_seconds"] > 0 and naive["wire_bytes_per_step_per_rank"] > 0
