@@ -135,6 +135,7 @@ class Store:
         reserved = 0
         received: list[Chunk] = []
         first: IncomingChunk | None = None
+        head: Packed | None = None  # chunk 0, its header parsed once (the commit reads it again)
         try:
             for c in it:
                 if first is None:
@@ -146,7 +147,8 @@ class Store:
                 _verify_one(chunk)
                 received.append(chunk)
                 if c.index == 0:
-                    reserved += self._check_header(first, Packed([chunk]))
+                    head = Packed([chunk])
+                    reserved += self._check_header(first, head)
             if first is None:
                 raise ReplicaError("empty push: no chunk arrived", "INVALID_ARGUMENT")
             if len(received) != first.count:
@@ -155,7 +157,8 @@ class Store:
         except BaseException:
             self.release(reserved)
             raise
-        staging = Staging(first.key, first.version, first.base_version, Packed(received), reserved, source)
+        staging = Staging(first.key, first.version, first.base_version,
+                          Packed(received, head.header if head is not None else None), reserved, source)
         with self._lock:
             old = self._staged.pop(first.key, None)
             self._staged[first.key] = staging
