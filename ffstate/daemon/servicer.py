@@ -141,7 +141,7 @@ class Servicer:
                 seen[1] = time.monotonic()
                 self.node.touch()
                 # The payload stays a view of the received bytes: protobuf's parse and its field access each
-                # copied it (about 150 us a MB of the holder's CPU, in every push).
+                # copied it (bench bandwidth, 4 MiB chunks: 2.0-2.3 s of the holder's CPU per GB, now 1.1-1.3).
                 m, payload = wire.parse_with_payload(raw, pb.PushChunk, 7)
                 commit[0] = m.commit
                 yield IncomingChunk(_key(m.shard), m.version, m.base_version, m.chunk_index, m.chunk_count,
