@@ -53,7 +53,7 @@ def _tables(dev: torch.device, pairs: Sequence[tuple[int, int, int]], bl: int, k
     tile_tensor = torch.repeat_interleave(torch.arange(len(pairs), dtype=torch.int32), blocks)
     starts = torch.cumsum(blocks, 0) - blocks
     tile_block = (torch.arange(int(blocks.sum())) - torch.repeat_interleave(starts, blocks)).to(torch.int32)
-    wide = torch.tensor([x for p in pairs for x in p[:2]], dtype=torch.int64).view(-1, 2).t().reshape(-1)
+    wide = torch.tensor([p[0] for p in pairs] + [p[1] for p in pairs], dtype=torch.int64)  # addresses, then offsets
     host = [torch.cat([wide, nbytes]), torch.cat([tile_tensor, tile_block])]
     if dev.type == "cuda":
         host = [h.pin_memory() for h in host]

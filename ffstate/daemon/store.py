@@ -135,7 +135,7 @@ class Store:
         reserved = 0
         received: list[Chunk] = []
         first: IncomingChunk | None = None
-        head: Packed | None = None  # chunk 0, its header parsed once (the commit reads it again)
+        head: Packed | None = None  # chunk 0, its header parsed once: the staged version and its commit reuse it
         try:
             for c in it:
                 if first is None:
