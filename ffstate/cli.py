@@ -53,6 +53,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"ffstate serve: {e}") from None
     set_priority(cfg.nice)
     return_freed_memory()
+    import faulthandler
+    import signal
+
+    # `kill -USR2 <daemon>` writes every thread's stack to its log (stderr): what a stuck daemon is doing, read at
+    # the C level, whatever its main thread is blocked in.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
     def ready(port: int) -> None:
         print(f"ffstate daemon {cfg.node_id} listening on {cfg.host}:{port}", flush=True)

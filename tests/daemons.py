@@ -49,8 +49,11 @@ class Daemon:
         try:  # its server's grace (5 s) and its threads' joins, on a loaded machine: then a SIGKILL
             return self.proc.wait(30)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR2)  # its threads' stacks to its log first: where it is stuck
+            time.sleep(1.0)
             self.kill()
-            raise
+            raise AssertionError(f"daemon {self.node_id} did not stop within 30 s of SIGTERM; the end of its log, its "
+                                 f"stacks last:\n{self.log()[-6000:]}") from None
 
     def log(self) -> str:
         return self.log_path.read_text()

@@ -166,6 +166,20 @@ def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
     assert not any(p.exists() for p in slots)
 
 
+def test_sigusr2_writes_every_thread_s_stack_to_the_daemon_s_log_and_it_goes_on(daemons):
+    """What a stuck daemon is doing, read without stopping it (the suite's teardown asks for it before a SIGKILL)."""
+    d = daemons.start()
+    d.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 10
+    while "Current thread" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    log = d.log()
+    assert "Current thread" in log and "serve" in log, log[-3000:]  # the main thread, in the daemon's loop
+    with d.client() as c:
+        assert c.inventory("").shards == []  # still serving
+    assert d.terminate() == 0
+
+
 def test_idle_daemon_exits_by_itself(daemons):
     d = daemons.start("--idle-exit", "1")
     assert d.proc.wait(20) == 0

@@ -127,16 +127,20 @@ def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_
 
     rows = progress(out)
     commits = [r for r in rows if "step" in r]
-    # Survivors stayed: process 0 (rank 0), never started again, committed every step of the job through the four
-    # restarts (a rank, another right after, a spare, a node).
-    mine = [r for r in commits if r["process"] == 0]
-    assert {r["step"] for r in mine} == set(range(1, STEPS + 1)) and max(r["iteration"] for r in mine) >= 4, mine[-3:]
-    # Who held what: a spare of each node took its rank; node 1 moved whole to the spare node.
-    last = {r["rank"]: r["process"] for r in commits if r["step"] == STEPS}
-    assert last[0] == 0 and last[1] == 2 and {last[2], last[3]} == {6, 7}, last
     events = [json.loads(line) for line in (out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "events.jsonl").read_text()
               .splitlines()]
     restored = [e for e in events if e["event"] == "restored"]
+    # Survivors stayed: process 0 (rank 0), started once, committed every step of the job through the four restarts
+    # (a rank, another right after, a spare, a node). The worker notes a step after its commit; the engine's
+    # interruption may land between the two (seen once: step 18 committed, not noted), and the job then resumes at
+    # that very step: every step is a noted commit of process 0 or a restore's v*.
+    mine = [r for r in commits if r["process"] == 0]
+    assert [r["event"] for r in rows if r.get("process") == 0 and r.get("event") == "started"] == ["started"]
+    assert {r["step"] for r in mine} | {e["version"] for e in restored} >= set(range(1, STEPS + 1)), mine
+    assert max(r["iteration"] for r in mine) >= 4, mine[-3:]
+    # Who held what: a spare of each node took its rank; node 1 moved whole to the spare node.
+    last = {r["rank"]: r["process"] for r in commits if r["step"] == STEPS}
+    assert last[0] == 0 and last[1] == 2 and {last[2], last[3]} == {6, 7}, last
     assert sorted({e["attempt"] for e in restored}) == [1, 2, 3, 4], restored
     for attempt in (1, 2, 3, 4):
         these = [e for e in restored if e["attempt"] == attempt]
