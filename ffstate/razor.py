@@ -157,25 +157,34 @@ class Plan:
             offset += n
         return out
 
+    @functools.lru_cache(maxsize=8)  # noqa: B019 (called at every commit; plans are few)
+    def pieces(self, member: int) -> list[tuple[int, int, int, bool]]:
+        """``parts()[member]``, each piece with whether it is its whole entry."""
+        return [(i, s, e, s == 0 and e * layout.DTYPES[self.dtypes[i]].itemsize == self.nbytes(i))
+                for i, s, e in self.parts()[member]]
+
     def part_bytes(self, member: int) -> int:
         return sum((e - s) * layout.DTYPES[self.dtypes[i]].itemsize for i, s, e in self.parts()[member])
 
 
 def split(state: Any, plan: Plan, rank: int) -> dict:
     """What ``rank`` commits: its own entries (placeholders for the redundant ones) and its part of them."""
-    found: dict[int, torch.Tensor] = {}
-    keys = _KEY_PATHS.get(plan)
-    own = None if keys is None else _substitute_along(state, keys, found)
+    found: list[torch.Tensor | None] = [None] * len(plan.paths)
+    trie = _KEY_TRIES.get(plan)
+    own = None if trie is None else _substitute_along(state, trie, found)
     if own is None:  # the first split with this plan, or the state's nesting changed: the whole walk
         index = {p: i for i, p in enumerate(plan.paths)}
-        found, where = {}, {}
+        where: dict[int, tuple] = {}
+        found = [None] * len(plan.paths)
         own = _substitute(state, "", index, found, (), where)
         if len(where) == len(plan.paths):
-            _KEY_PATHS[plan] = [where[i] for i in range(len(plan.paths))]
-    if len(found) != len(plan.paths):
-        missing = [p for i, p in enumerate(plan.paths) if i not in found][:3]
+            _KEY_TRIES[plan] = _trie([where[i] for i in range(len(plan.paths))])
+    if any(t is None for t in found):
+        missing = [p for p, t in zip(plan.paths, found) if t is None][:3]
         raise FFStateError(f"the state no longer has the redundant entries it was planned with (e.g. {missing})")
-    part = [found[i].reshape(-1)[s:e] for i, s, e in plan.parts()[plan.group.index(rank)]]
+    # A piece that is a whole entry (most of them) is the entry flattened, not a slice of it as well
+    part = [found[i].reshape(-1) if whole else found[i].reshape(-1)[s:e]
+            for i, s, e, whole in plan.pieces(plan.group.index(rank))]
     return {"own": own, "razor": {"plan": plan.to_json(), "part": part}}
 
 
@@ -228,7 +237,7 @@ def checksums(state: Any, plan: Plan) -> list[int]:
     return out
 
 
-def _substitute(obj: Any, path: str, index: dict[str, int], found: dict[int, torch.Tensor], keys: tuple = (),
+def _substitute(obj: Any, path: str, index: dict[str, int], found: list[torch.Tensor | None], keys: tuple = (),
                 where: dict[int, tuple] | None = None) -> Any:
     """``obj`` with each leaf at a path in ``index`` replaced by a placeholder (paths as ``layout.flatten``); the
     keys that lead to each such leaf go to ``where`` (``_substitute_along`` follows them at later commits)."""
@@ -252,46 +261,53 @@ def _substitute(obj: Any, path: str, index: dict[str, int], found: dict[int, tor
     return obj
 
 
-# The keys that lead to each redundant entry, per plan: a commit copies the dicts along them and nothing else.
-_KEY_PATHS: dict[Plan, list[tuple]] = {}
+# Per plan, the keys that lead to its redundant entries as a trie (key -> the trie below it, or the entry's index):
+# a commit copies the dicts along them, each once, and nothing else.
+_KEY_TRIES: dict[Plan, dict] = {}
 
 
-def _substitute_along(state: Any, paths: list[tuple], found: dict[int, torch.Tensor]) -> Any | None:
-    """What ``_substitute`` gives, made by following each redundant entry's keys: only the dicts on the way are
-    copied (the rest is shared with ``state``, which nobody changes), where the whole walk rebuilt every container
-    and named every node (a fifth of a commit under DDP, profiled). None when the state's nesting is not what the
-    keys say (the caller walks the whole state)."""
-    copies: dict[int, dict] = {}
+def _trie(paths: list[tuple]) -> dict:
+    root: dict = {}
+    for i, keys in enumerate(paths):
+        node = root
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = i
+    return root
 
-    def copy(d: Any) -> dict | None:
+
+class _Changed(Exception):
+    """The state's nesting is not what the plan's keys say."""
+
+
+def _substitute_along(state: Any, trie: dict, found: list[torch.Tensor | None]) -> Any | None:
+    """What ``_substitute`` gives, made by following the keys to the redundant entries: only the dicts on the way
+    are copied, each once (the rest is shared with ``state``, which nobody changes), where the whole walk rebuilt
+    every container and named every node (a fifth of a commit under DDP, profiled). None when the state's nesting
+    is not what the keys say (the caller walks the whole state)."""
+    tensor = torch.Tensor
+
+    def along(d: Any, sub: dict) -> dict:
         if not isinstance(d, dict):
-            return None
-        c = copies.get(id(d))
-        if c is None:
-            c = copies[id(d)] = type(d)(d)
-            if hasattr(d, "_metadata"):
-                c._metadata = d._metadata
+            raise _Changed
+        c = type(d)(d)
+        if hasattr(d, "_metadata"):
+            c._metadata = d._metadata
+        for k, below in sub.items():
+            x = d[k]
+            if type(below) is int:
+                if not isinstance(x, tensor):
+                    raise _Changed
+                found[below] = x.detach() if x.requires_grad else x  # a captured state's leaves are detached
+                c[k] = {PLACEHOLDER: below}
+            else:
+                c[k] = along(x, below)
         return c
 
-    root = copy(state)
     try:
-        for i, keys in enumerate(paths):
-            node, mirror = state, root
-            for k in keys[:-1]:
-                node = node[k]
-                sub = copy(node)
-                if mirror is None or sub is None:
-                    return None
-                mirror[k] = sub
-                mirror = sub
-            leaf = node[keys[-1]]
-            if mirror is None or not isinstance(leaf, torch.Tensor):
-                return None
-            found[i] = leaf.detach()
-            mirror[keys[-1]] = {PLACEHOLDER: i}
-    except (KeyError, TypeError, IndexError):
+        return along(state, trie)
+    except (_Changed, KeyError, TypeError):
         return None
-    return root
 
 
 def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:

@@ -183,7 +183,8 @@ def _match_known(state: Any, tree: Any) -> tuple[list[Any], list[Any]] | None:
             if pairs is None or len(pairs) != len(obj):
                 return False
             for (k, v), (want, sub) in zip(obj.items(), pairs):
-                if (k if type(k) is str else scalar(k)) != want or not walk(v, sub):
+                # str and int keys encode as themselves (bool is not int here)
+                if (k if type(k) is str or type(k) is int else scalar(k)) != want or not walk(v, sub):
                     return False
             if t is ordered:
                 meta = getattr(obj, "_metadata", None)
@@ -191,10 +192,15 @@ def _match_known(state: Any, tree: Any) -> tuple[list[Any], list[Any]] | None:
                     return "m" not in node
                 return "m" in node and walk(meta, node["m"])
             return True
-        if isinstance(obj, (tensor, ndarray)):
+        if t is tensor or isinstance(obj, (tensor, ndarray)):
             if node.get("T") != len(arrays):
                 return False
             arrays.append(obj)
+            return True
+        if t is int or t is str or t is bool or obj is None:  # encoded as themselves, as encode_scalar does
+            if node.get("S") != len(scalars):
+                return False
+            scalars.append(obj)
             return True
         if t is list or t is tuple:
             items = node.get("l" if t is list else "t")

@@ -98,10 +98,12 @@ def test_a_later_split_follows_the_keys_and_gives_what_the_whole_walk_gives():
 
     state = list(train_states(1))[0]
     plan = Plan.of(state, Groups((0, 1, 2), ("model", "optim/state"), "test"))
-    razor._KEY_PATHS.pop(plan, None)
+    razor._KEY_TRIES.pop(plan, None)
     first = split(state, plan, 1)  # the whole walk, which records the keys
-    assert plan in razor._KEY_PATHS
+    assert plan in razor._KEY_TRIES
     again = split(state, plan, 1)  # along the keys
+    assert again["own"]["model"] is not state["model"] and again["own"]["optim"] is not state["optim"]
+    assert again["own"]["optim"]["param_groups"] is state["optim"]["param_groups"]  # off the keys' way: shared
     assert layout.describe(again).layout_id == layout.describe(first).layout_id
     assert_bitwise_equal(codec.unpack(codec.pack(again)), codec.unpack(codec.pack(first)))
     assert all(isinstance(t, torch.Tensor) for t in state["model"].values())  # nothing replaced in the original
@@ -110,6 +112,12 @@ def test_a_later_split_follows_the_keys_and_gives_what_the_whole_walk_gives():
     assert_bitwise_equal(split(changed, plan, 1)["razor"]["part"], first["razor"]["part"])
     with pytest.raises(FFStateError, match="no longer has the redundant entries"):
         split({**state, "model": {}}, plan, 1)
+    # Entries that still track gradients (not captured by ``capture``) are detached on the way, as the whole walk does.
+    tracked = {**state, "model": {k: torch.nn.Parameter(v.clone()) if v.is_floating_point() else v
+                                  for k, v in state["model"].items()}}
+    parts = split(tracked, plan, 1)["razor"]["part"]
+    assert not any(t.requires_grad for t in parts)
+    assert_bitwise_equal(parts, first["razor"]["part"])
 
 
 def test_a_member_s_part_decodes_from_its_segments_alone_and_assembles_bitwise():
