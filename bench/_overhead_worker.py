@@ -42,7 +42,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ffstate
-from ffstate.pacing import _comm_marks
+from ffstate.scheduling.pacing import _comm_marks
 from ffstate.bench._report import phase_order
 from ffstate.bench.codec import SIZES
 from ffstate.demo.worker import allreduce_gradients

@@ -5,7 +5,7 @@ plain tensors and values (the codec's input): DTensors (FSDP2's sharded paramete
 state) become their local shards, a ZeroRedundancyOptimizer becomes its rank's shard plus its own
 ``param_groups``. ``restore`` puts such a state back: parameters by ``copy_`` (their identity is
 kept), DTensor optimizer state rebuilt around the local shards. Also here: the DDP shadow step
-(see ``Config.shadow_ddp_step``). The marks of DDP's and FSDP2's collectives are in ``marks.py``.
+(see ``Config.shadow_ddp_step``). The marks of DDP's and FSDP2's collectives are in ``scheduling/marks.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A user's DDP communication hook (gradient compression: PowerSGD, fp16/bf16, their own) beside ffstate.
 
 DDP takes one communication hook per model, ever, and ffstate uses one to mark when the gradient all-reduce is on
-the wire (``marks.py``, for the scheduler). ``register_comm_hook`` registers the user's hook *wrapped*: the user's
+the wire (``scheduling/marks.py``, for the scheduler). ``register_comm_hook`` registers the user's hook *wrapped*: the user's
 hook does the communication, ffstate marks when its work starts and ends. The hook's state then belongs to the
 training's state: PowerSGD keeps error feedback, its low-rank factors, a random generator and an iteration count,
 and a restored run is bit-identical only if they come back too. ``state_of`` says what of a registered hook's state
@@ -20,7 +20,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ffstate import marks, shm
+from ffstate import shm
+from ffstate.scheduling import marks
 
 
 def register_comm_hook(ddp: torch.nn.parallel.DistributedDataParallel, state: Any, hook: Callable) -> None:

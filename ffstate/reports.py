@@ -40,7 +40,7 @@ class RestoreReport:
 
 @dataclass
 class ProfiledReport:
-    """ProfiledInfo: the timeline a rank's workers profiled for the scheduler (``ffstate/profiling.py``)."""
+    """ProfiledInfo: the timeline a rank's workers profiled for the scheduler (``ffstate/scheduling/profiling.py``)."""
 
     steps: int = 0
     collectives: int = 0

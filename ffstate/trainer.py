@@ -33,7 +33,7 @@ from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
 from ffstate import lag as lag_mod
 from ffstate.lag import LagWatch
-from ffstate.pacing import PacingSignals
+from ffstate.scheduling.pacing import PacingSignals
 from ffstate.persist import keys as persist_keys
 from ffstate.razor_verify import RazorVerifier
 from ffstate.reports import NodeReport, Stats

@@ -33,8 +33,8 @@ from ffstate.ids import ShardKey, check_id
 from ffstate.layout import Manifest
 from ffstate.reports import (LinkReport, NodeReport, PersistReport, ProfiledReport, RazorReport, RestoreReport,
                              ShardReport, WatchReport)
-from ffstate.scheduler import Naive, Scheduler
-from ffstate.windows import merge_intervals, project
+from ffstate.scheduling.scheduler import Naive, Scheduler
+from ffstate.scheduling.windows import merge_intervals, project
 
 log = logging.getLogger("ffstate.daemon")
 

@@ -9,7 +9,7 @@ aligned across ranks, so that after a node is lost some version is common to all
 I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
 copy of the newest version (the base of the next delta) follows by one copy of the slot. A
 holder that is down, or answers that it lacks a base, gets a full version at its next turn, after
-a backoff. The pacer (``ffstate.scheduler``) decides when each chunk goes (docs/design.md section 4,
+a backoff. The pacer (``ffstate.scheduling.scheduler``) decides when each chunk goes (docs/design.md section 4,
 step 3) and learns the link from each push.
 """
 
@@ -26,14 +26,14 @@ from ffstate.client import Client
 from ffstate.codec import Packed
 from ffstate.daemon.shard import Holder, LocalShard
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.scheduler import Naive
+from ffstate.scheduling.scheduler import Naive
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
 
 
 class Pacer(Protocol):
-    """Decides when the next chunk may go out (``ffstate.scheduler``), and learns from each push."""
+    """Decides when the next chunk may go out (``ffstate.scheduling.scheduler``), and learns from each push."""
 
     name: str
 

@@ -49,7 +49,7 @@ from typing import Callable
 from ffstate.config import DaemonConfig
 from ffstate.ids import ShardKey
 from ffstate.reports import WatchReport
-from ffstate.windows import merge_intervals
+from ffstate.scheduling.windows import merge_intervals
 
 log = logging.getLogger("ffstate.daemon.watchdog")
 

@@ -146,7 +146,8 @@ def analyze_known(state: Any, manifest: Manifest) -> tuple[Manifest, list[Any]]:
     expects (``_expected``, computed once per layout) instead of building and hashing a new
     manifest. Anything else (a changed layout, a type only ``flatten`` describes or rejects with
     its path) goes to ``analyze``, so the caller sees the new layout or the error.
-    At 7,699 tensors: 13-15 ms, against 21 ms for building the tree, comparing it and asking each
+    At 7,699 tensors: about 10 ms (13-15 before str/int keys and plain scalars skipped the encoding), against 21 ms
+    for building the tree, comparing it and asking each
     leaf ``isinstance(t, nn.Parameter)``, and 80-120 ms for ``analyze`` (one process, this machine).
     """
     try:

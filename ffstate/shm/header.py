@@ -59,7 +59,7 @@ class Header(ctypes.LittleEndianStructure):
         # Worker (every slot): the razor's verification counters, for the daemon's reports.
         ("razor_verifications", _u64),
         ("razor_mismatches", _u64),
-        # Worker, slot 0: collectives on the wire now, the ring's write count, and the ring (see marks.py).
+        # Worker, slot 0: collectives on the wire now, the ring's write count, and the ring (see scheduling/marks.py).
         ("comm_inflight", _i64),
         ("comm_count", _u64),
         ("comm_ring", Interval * COMM_RING),
@@ -84,7 +84,7 @@ class Header(ctypes.LittleEndianStructure):
         ("restore_steps_lost", _u64),
         ("restore_seconds", _f64),
         ("restore_entry_seconds", _f64),
-        # Worker, slot 0 (once): the profiled timeline (profiling.py). ``timeline_steps`` is written last and
+        # Worker, slot 0 (once): the profiled timeline (scheduling/profiling.py). ``timeline_steps`` is written last and
         # cleared first: 0 reads as none.
         ("timeline_steps", _u64),
         ("timeline_count", _u64),

@@ -35,7 +35,7 @@ import torch
 from ffstate.errors import SlotError
 from ffstate.ids import check_id
 from ffstate.layout import Manifest
-from ffstate.profiling import ProfiledTimeline
+from ffstate.scheduling.profiling import ProfiledTimeline
 from ffstate.shm.doorbell import Bell
 from ffstate.shm.marks import MarksReader
 from ffstate.shm.header import BELL_NAME_MAX, MAGIC, PAGE, TIMELINE_MAX, Header, header_of

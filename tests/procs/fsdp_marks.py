@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from ffstate import capture, shm  # noqa: E402
-from ffstate.marks import mark_fsdp_collectives  # noqa: E402
+from ffstate.scheduling.marks import mark_fsdp_collectives  # noqa: E402
 from ffstate.testing.models import TinyGPT  # noqa: E402
 from helpers import bits  # noqa: E402
 

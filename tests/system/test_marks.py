@@ -1,4 +1,4 @@
-"""ffstate/marks.py under real torchrun: FSDP2's collectives marked for the scheduler, without changing a bit."""
+"""ffstate/scheduling/marks.py under real torchrun: FSDP2's collectives marked for the scheduler, without changing a bit."""
 
 
 def test_fsdp2_collectives_are_marked_without_changing_a_bit(tmp_path):

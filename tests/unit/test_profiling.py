@@ -1,11 +1,11 @@
-"""ffstate/profiling.py: the timeline a few profiled steps give the scheduler (the median step's collectives as
+"""ffstate/scheduling/profiling.py: the timeline a few profiled steps give the scheduler (the median step's collectives as
 offsets from its commit), and the profiler in a 1-rank gloo group in this process."""
 
 import time
 
 import pytest
 
-from ffstate import profiling
+from ffstate.scheduling import profiling
 
 
 def flat(intervals) -> list[float]:

@@ -1,11 +1,11 @@
-"""ffstate/scheduler.py: the scheduler's decisions, on a simulated clock (no timing measured here: that is
+"""ffstate/scheduling/scheduler.py: the scheduler's decisions, on a simulated clock (no timing measured here: that is
 `ffstate bench overhead`). The marks it reads are tested in test_shm.py, the profiled timeline in
 test_profiling.py."""
 
 import pytest
 
-from ffstate.scheduler import Naive, Scheduler
-from ffstate.windows import merge_intervals, predicted_busy_until, project
+from ffstate.scheduling.scheduler import Naive, Scheduler
+from ffstate.scheduling.windows import merge_intervals, predicted_busy_until, project
 
 
 class FakeClock:

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from ffstate import layout, profiling, shm
+from ffstate import layout, shm
+from ffstate.scheduling import profiling
 from ffstate.commit import SlotWriter
-from ffstate.scheduler import Timeline
+from ffstate.scheduling.scheduler import Timeline
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ import logging
 
 import torch
 
-from ffstate import marks, profiling, shm
+from ffstate import shm
+from ffstate.scheduling import marks, profiling
 from ffstate.config import Config
 
 log = logging.getLogger("ffstate.pacing")

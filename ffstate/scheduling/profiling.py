@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ffstate.windows import merge_intervals
+from ffstate.scheduling.windows import merge_intervals
 
 log = logging.getLogger("ffstate.profiling")
 

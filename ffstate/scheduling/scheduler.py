@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ffstate.config import Config
-from ffstate.windows import merge_intervals, predicted_busy_until, project  # noqa: F401 (project: re-exported)
+from ffstate.scheduling.windows import merge_intervals, predicted_busy_until, project  # noqa: F401 (project: re-exported)
 
 # The training's collectives, as the workers mark them: (in flight now, recent (start, end) times, commit times).
 Busy = Callable[[], "tuple[int, list[tuple[float, float]], list[float]]"]
