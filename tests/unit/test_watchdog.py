@@ -149,6 +149,31 @@ def test_stacks_are_asked_for_before_the_kill_and_every_local_rank_of_the_job_go
     assert signals == [(11, signal.SIGUSR1), (12, signal.SIGUSR1), (11, signal.SIGKILL), (12, signal.SIGKILL)]
 
 
+def test_every_local_rank_of_a_stalled_job_is_named_whichever_showed_life_last(monkeypatch, caplog):
+    """The ranks of a job stall together, and which one crosses its deadline first is a matter of milliseconds: the
+    one that never reached the collective may have ended a held commit after the others committed (a later sign of
+    life). Each is named hung, with its stacks, not only the first across (which named the waiting one alone in a
+    test's run and called the culprit waiting); a rank still committing is not named."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    waiting, culprit, going = ShardKey("j", 0, 3), ShardKey("j", 1, 3), ShardKey("j", 2, 3)
+    shards = {waiting: FakeSlots(51, 1000.0), culprit: FakeSlots(52, 1000.0), going: FakeSlots(53, 1000.0)}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
+    for v in range(1, 6):
+        clock["now"] += 0.1
+        for s in shards.values():
+            s.commit(v, clock["now"])
+        dog.look()
+    shards[culprit].record = WorkerRecord(52, clock["now"] + 0.4, 0.0, "")  # its commit's hold ended 0.4 s later
+    with caplog.at_level("ERROR", logger="ffstate.daemon.watchdog"):
+        for v in range(6, 12):  # 2.1 s: the waiting rank is past its 2-s deadline, the culprit silent 1.7 s
+            clock["now"] += 0.35
+            shards[going].commit(v, clock["now"])
+            dog.look()
+    named = {r.getMessage().split(" is hung:")[0] for r in caplog.records if " is hung: no commit" in r.getMessage()}
+    assert named == {str(waiting), str(culprit)}, caplog.text
+    assert (51, signal.SIGKILL) in signals and (52, signal.SIGKILL) in signals
+
+
 def test_a_straggler_is_reported_from_its_compute_against_its_node_s_other_ranks(monkeypatch):
     monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
     fast, slow = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
