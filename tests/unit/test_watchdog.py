@@ -55,6 +55,15 @@ def steps(dog, clock, slots: FakeSlots, n: int, step: float, start: int = 1) -> 
         dog.look()
 
 
+def together(dog, clock, shards: dict, n: int, step: float) -> None:
+    """``n`` steps of ``step`` seconds, every rank committing at the same moment (a job's ranks do, give or take)."""
+    for v in range(1, n + 1):
+        clock["now"] += step
+        for s in shards.values():
+            s.commit(v, clock["now"])
+        dog.look()
+
+
 def test_the_deadline_is_ten_median_steps_within_floor_and_ceiling_after_the_first_steps(monkeypatch):
     monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
     key = ShardKey("j", 0, 2)
@@ -112,11 +121,7 @@ def test_a_commit_held_by_the_lag_policy_is_not_a_hang_for_any_local_rank_of_its
     held, waiting = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
     shards = {held: FakeSlots(31, 1000.0), waiting: FakeSlots(32, 1000.0)}
     dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
-    for v in range(1, 6):
-        clock["now"] += 0.1
-        for s in shards.values():
-            s.commit(v, clock["now"])
-        dog.look()
+    together(dog, clock, shards, 5, 0.1)
     shards[held].held = 0.1
     for _ in range(20):  # 10 s held: five deadlines
         clock["now"] += 0.5
@@ -137,11 +142,7 @@ def test_stacks_are_asked_for_before_the_kill_and_every_local_rank_of_the_job_go
     shards = {a: FakeSlots(11, 1000.0, str(tmp_path / "a.txt")), b: FakeSlots(12, 1000.0, str(tmp_path / "b.txt")),
               other: FakeSlots(13, 1000.0)}
     dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
-    for v in range(1, 6):
-        clock["now"] += 0.1
-        for s in shards.values():
-            s.commit(v, clock["now"])
-        dog.look()
+    together(dog, clock, shards, 5, 0.1)
     clock["now"] += 1.0
     shards[other].commit(6, clock["now"])  # job k goes on
     clock["now"] += 1.5
@@ -158,11 +159,7 @@ def test_every_local_rank_of_a_stalled_job_is_named_whichever_showed_life_last(m
     waiting, culprit, going = ShardKey("j", 0, 3), ShardKey("j", 1, 3), ShardKey("j", 2, 3)
     shards = {waiting: FakeSlots(51, 1000.0), culprit: FakeSlots(52, 1000.0), going: FakeSlots(53, 1000.0)}
     dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
-    for v in range(1, 6):
-        clock["now"] += 0.1
-        for s in shards.values():
-            s.commit(v, clock["now"])
-        dog.look()
+    together(dog, clock, shards, 5, 0.1)
     shards[culprit].record = WorkerRecord(52, clock["now"] + 0.4, 0.0, "")  # its commit's hold ended 0.4 s later
     with caplog.at_level("ERROR", logger="ffstate.daemon.watchdog"):
         for v in range(6, 12):  # 2.1 s: the waiting rank is past its 2-s deadline, the culprit silent 1.7 s
