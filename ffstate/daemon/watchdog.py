@@ -19,8 +19,9 @@ so it watches them, with no thread in the training process and no code in the us
   the node's other ranks wait for the held one in their collectives). A worker that left ``ffstate.replicate``
   and lives on (an in-process restart, ``ffstate/inprocess/``) has the startup allowance again from its leave.
 - **Evidence, then action.** Past the deadline (a worker that is alive: a dead one is torchrun's; with it every
-  local rank of the job silent for half as long, since the job's ranks stall together and their deadlines and last
-  signs of life differ by how their medians were sampled and by milliseconds, not by what they do), the
+  local rank of the job silent for half as long and for two of its steps, since the job's ranks stall together
+  and their deadlines and last signs of life differ by how their medians were sampled and by milliseconds, not by
+  what they do), the
   daemon sends SIGUSR1 to every local rank of that job whose record names a stacks file (each worker registered
   ``faulthandler`` for it at entry, writing every thread's stack to ``stacks-rank<R>.txt`` in the job's run
   folder, and clears the name before it unregisters: without the handler the signal ends the process), waits a second,
@@ -155,7 +156,7 @@ class Watchdog:
                     self.held_seen[key.job_id] = now
             except (ValueError, OSError, TypeError):  # slots closed meanwhile
                 continue
-        silent: dict[str, list[tuple[ShardKey, float, float]]] = collections.defaultdict(list)
+        silent: dict[str, list[tuple[ShardKey, float, float, float]]] = collections.defaultdict(list)
         with self._lock:
             for key in [k for k in self.ranks if k not in seen]:
                 del self.ranks[key]
@@ -175,18 +176,20 @@ class Watchdog:
                 w.report = WatchReport(_median(w.steps), _median(w.computes), 0.0 if paused else since, deadline,
                                        paused, self.hangs[key], 0.0, w.pid, worker.commit_seconds)
                 if not paused and not w.acted and self.cfg.hang_action != "off" and alive(w.pid):
-                    silent[key.job_id].append((key, since, deadline))
+                    silent[key.job_id].append((key, since, deadline, _median(w.steps)))
             self._stragglers(now)
         # A job's ranks wait for each other: when one is past its deadline, every local rank of the job silent for
         # half as long is named with it. They stall together; their deadlines differ by the sampling of their
         # medians, their silences by when each last showed a sign of life (the rank that never reached the collective
         # may have ended a commit the lag policy held a moment after the others committed), not by what they do. A
-        # rank still committing is silent for a step or two, a tenth of a deadline. The stacks then show which one is
-        # in its own code and which wait in a collective.
+        # rank still committing is silent for less than two of its steps (a fifth of a deadline, unless the ceiling
+        # or a small hang_multiple cut it): it is not named. The stacks then show which one is in its own code and
+        # which wait in a collective.
         for job, ranks in silent.items():
-            crossed = [deadline for _, since, deadline in ranks if since > deadline]
+            crossed = [deadline for _, since, deadline, _ in ranks if since > deadline]
             if crossed:
-                self._act(job, [key for key, since, _ in ranks if since > min(crossed) / 2], now)
+                self._act(job, [key for key, since, deadline, step in ranks
+                                if since > deadline or since > max(min(crossed) / 2, 2 * step)], now)
 
     def _observe(self, w: RankWatch, commits: list[tuple[int, float, float]],
                  intervals: list[tuple[float, float]]) -> None:

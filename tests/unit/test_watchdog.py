@@ -166,9 +166,26 @@ def test_every_local_rank_of_a_stalled_job_is_named_whichever_showed_life_last(m
             clock["now"] += 0.35
             shards[going].commit(v, clock["now"])
             dog.look()
-    named = {r.getMessage().split(" is hung:")[0] for r in caplog.records if " is hung: no commit" in r.getMessage()}
-    assert named == {str(waiting), str(culprit)}, caplog.text
+    assert _named(caplog) == {str(waiting), str(culprit)}, caplog.text
     assert (51, signal.SIGKILL) in signals and (52, signal.SIGKILL) in signals
+    # Steps of 5 s under an 8-s ceiling: a rank mid-step is silent for more than half the deadline, but not for two
+    # of its steps; it is not named.
+    caplog.clear()
+    stuck, going = ShardKey("k", 0, 2), ShardKey("k", 1, 2)
+    shards = {stuck: FakeSlots(61, 1000.0), going: FakeSlots(62, 1000.0)}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_ceiling=8.0, hang_startup=30.0), shards)
+    together(dog, clock, shards, 5, 5.0)
+    with caplog.at_level("ERROR", logger="ffstate.daemon.watchdog"):
+        clock["now"] += 3.5
+        shards[going].commit(6, clock["now"])
+        for _ in range(10):  # 'stuck' silent 8.5 s, past its 8-s deadline; 'going' 5 s into its step, past half of it
+            clock["now"] += 0.5
+            dog.look()
+    assert _named(caplog) == {str(stuck)}, caplog.text
+
+
+def _named(caplog) -> set[str]:
+    return {r.getMessage().split(" is hung:")[0] for r in caplog.records if " is hung: no commit" in r.getMessage()}
 
 
 def test_a_straggler_is_reported_from_its_compute_against_its_node_s_other_ranks(monkeypatch):
