@@ -163,6 +163,11 @@ class Plan:
         return [(i, s, e, s == 0 and e * layout.DTYPES[self.dtypes[i]].itemsize == self.nbytes(i))
                 for i, s, e in self.parts()[member]]
 
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (called at every commit; plans are few)
+    def specs(self) -> list[tuple[torch.dtype, torch.Size]]:
+        """Each redundant entry's dtype and shape, as the tensors say them (what ``split`` checks)."""
+        return [(layout.DTYPES[d], torch.Size(s)) for d, s in zip(self.dtypes, self.shapes)]
+
     def part_bytes(self, member: int) -> int:
         return sum((e - s) * layout.DTYPES[self.dtypes[i]].itemsize for i, s, e in self.parts()[member])
 
@@ -182,10 +187,20 @@ def split(state: Any, plan: Plan, rank: int) -> dict:
     if any(t is None for t in found):
         missing = [p for p, t in zip(plan.paths, found) if t is None][:3]
         raise FFStateError(f"the state no longer has the redundant entries it was planned with (e.g. {missing})")
+    changed = [i for i, (t, (dtype, shape)) in enumerate(zip(found, plan.specs())) if t.dtype != dtype or t.shape != shape]
+    if changed:  # cut by the old plan, its parts would be a prefix of the entry, or more than it holds
+        i = changed[0]
+        raise StalePlan(f"{len(changed)} redundant entries changed dtype or shape since the razor's plan was made, e.g. "
+                        f"{plan.paths[i]}: {found[i].dtype} {list(found[i].shape)}, planned {plan.dtypes[i]} "
+                        f"{list(plan.shapes[i])}")
     # A piece that is a whole entry (most of them) is the entry flattened, not a slice of it as well
     part = [found[i].reshape(-1) if whole else found[i].reshape(-1)[s:e]
             for i, s, e, whole in plan.pieces(plan.group.index(rank))]
     return {"own": own, "razor": {"plan": plan.to_json(), "part": part}}
+
+
+class StalePlan(FFStateError):
+    """A redundant entry no longer has the dtype or shape its plan was made with: the group plans again."""
 
 
 def in_part(name: str) -> bool:

@@ -41,16 +41,24 @@ class RazorVerifier:
             self._verify(state, step, on_new_plan)
             on_verified(self.verified, self.mismatches)
         self._commits += 1
-        return state if self.plan is None else razor.split(state, self.plan, self.job.rank)
+        if self.plan is None:
+            return state
+        try:
+            return razor.split(state, self.plan, self.job.rank)
+        except razor.StalePlan as e:  # every member of the group sees it at this step: their entries are identical
+            log.warning("rank %d at step %d: %s; the group plans and verifies again", self.job.rank, step, e)
+            self._verify(state, step, on_new_plan, f"razor/{step}/again")
+            on_verified(self.verified, self.mismatches)
+            return state if self.plan is None else razor.split(state, self.plan, self.job.rank)
 
-    def _verify(self, state: dict, step: int, on_new_plan: Callable[[], None]) -> None:
+    def _verify(self, state: dict, step: int, on_new_plan: Callable[[], None], name: str = "") -> None:
         job, rank = self.job, self.job.rank
         plan = razor.Plan.of(state, self.groups, frozenset(self._excluded))
         if plan is None:
             self.plan = None
             return
         sums = dict(zip(plan.paths, razor.checksums(state, plan)))
-        told = job.exchange(f"razor/{step}", sums, plan.group, job.cfg.connect_timeout)
+        told = job.exchange(name or f"razor/{step}", sums, plan.group, job.cfg.connect_timeout)
         differ = sorted({p for p in plan.paths if any(t.get(p) != sums[p] for t in told)})
         self.verified += 1
         if differ:

@@ -120,6 +120,51 @@ def test_a_later_split_follows_the_keys_and_gives_what_the_whole_walk_gives():
     assert_bitwise_equal(parts, first["razor"]["part"])
 
 
+def test_a_dict_reached_by_two_keys_is_split_as_the_whole_walk_splits_it():
+    """One dict object under two keys (an aliased entry): each way to it gets its own copy and its own placeholders,
+    as the whole walk gives (the old key-following shared one copy, and the last key's placeholders won)."""
+    from ffstate import razor
+
+    shared = {"w": random_tensor((6, 5), torch.float32, 1), "v": random_tensor((7,), torch.bfloat16, 2)}
+    state = {"model": {"a": shared, "b": shared}, "step": 3}
+    plan = Plan.of(state, Groups((0, 1), ("model",), "test"))
+    razor._KEY_TRIES.pop(plan, None)
+    first = split(state, plan, 0)  # the whole walk
+    again = split(state, plan, 0)  # along the keys
+    assert first["own"] == again["own"]
+    assert again["own"]["model"]["a"] != again["own"]["model"]["b"]  # a placeholder per way
+    assert_bitwise_equal(again["razor"]["part"], first["razor"]["part"])
+
+
+def test_an_entry_that_changed_shape_or_dtype_since_the_plan_is_refused_and_the_group_plans_again():
+    """The plan cuts each entry by the shape it had; an entry that grew would be committed as a prefix of itself (or
+    more than a part holds). ``split`` refuses it; ``RazorVerifier`` then plans and verifies again at that step."""
+    from types import SimpleNamespace
+
+    from ffstate.razor import StalePlan
+    from ffstate.razor_verify import RazorVerifier
+
+    state = {"model": {"w": random_tensor((6, 5), torch.float32, 1), "n": random_tensor((4,), torch.float32, 2)}}
+    plan = Plan.of(state, Groups((0, 1), ("model",), "test"))
+    for changed in (random_tensor((8,), torch.float32, 3), random_tensor((4,), torch.float64, 3)):
+        with pytest.raises(StalePlan, match="model/n"):
+            split({"model": {**state["model"], "n": changed}}, plan, 0)
+    names = []
+
+    def exchange(name, mine, group, timeout):  # the other member holds the same entries
+        names.append(name)
+        return [mine for _ in group]
+
+    job = SimpleNamespace(rank=0, world=2, cfg=Config(), exchange=exchange, record=lambda event: None)
+    verifier, planned = RazorVerifier(job, Groups((0, 1), ("model",), "test")), []
+    verifier.shard(state, 1, lambda: planned.append(1), lambda v, m: None)
+    grown = {"model": {**state["model"], "n": random_tensor((8,), torch.float32, 3)}}
+    shard = verifier.shard(grown, 2, lambda: planned.append(2), lambda v, m: None)
+    assert names == ["razor/1", "razor/2/again"] and planned == [1, 2] and verifier.plan.shapes[1] == (8,)
+    shards = {0: shard, 1: split(grown, verifier.plan, 1)}
+    assert_bitwise_equal(assemble(shard, shards)["model"]["n"], grown["model"]["n"])
+
+
 def test_a_member_s_part_decodes_from_its_segments_alone_and_assembles_bitwise():
     """A razor restore takes from another member's shard its part only: the header, then the segments that hold
     the part (``Decoder(want=in_part).needed``); the part decodes bit-exact from those, fed in any order with
