@@ -184,8 +184,10 @@ def _match_known(state: Any, tree: Any) -> tuple[list[Any], list[Any]] | None:
             if pairs is None or len(pairs) != len(obj):
                 return False
             for (k, v), (want, sub) in zip(obj.items(), pairs):
-                # str and int keys encode as themselves (bool is not int here)
-                if (k if type(k) is str or type(k) is int else scalar(k)) != want or not walk(v, sub):
+                # str and int keys encode as themselves (bool is not int here); a bool key is not the int key it
+                # equals (True == 1): the restore would give back the manifest's
+                enc = k if type(k) is str or type(k) is int else scalar(k)
+                if enc != want or (type(enc) is bool) != (type(want) is bool) or not walk(v, sub):
                     return False
             if t is ordered:
                 meta = getattr(obj, "_metadata", None)

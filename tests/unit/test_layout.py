@@ -169,7 +169,13 @@ def _commit_like_state():
     od._metadata = {"": {"version": 1}}
     return {"model": model.state_dict(), "optim": opt.state_dict(), "od": od, "t": (1, None, 2.5, b"\x01"),
             "size": torch.Size([2, 3]), 3: {np.int64(4): np.float32(1.5)}, "arr": np.arange(5, dtype=np.int16),
-            "param": torch.nn.Parameter(torch.randn(3)), "empty": torch.zeros(0), "rng": capture.rng_state()}
+            "param": torch.nn.Parameter(torch.randn(3)), "empty": torch.zeros(0), "rng": capture.rng_state(),
+            "flags": {False: torch.zeros(1), 2: "two"}}
+
+
+def _rekey(d: dict, old, new) -> dict:
+    """``d`` with key ``old`` replaced by ``new``, in its place (``new == old`` may hold: True == 1)."""
+    return {new if k is old or (type(k) is type(old) and k == old) else k: v for k, v in d.items()}
 
 
 def test_the_commit_walk_gives_what_flatten_gives_without_paths():
@@ -206,8 +212,10 @@ def test_the_commit_walk_gives_what_flatten_gives_without_paths():
     lambda s: s.__setitem__("size", torch.Size([3, 2])),  # a torch.Size
     lambda s: s.__setitem__("t", (torch.ones(1), None, 2.5, b"\x01")),  # a scalar became a tensor
     lambda s: s.__setitem__("empty", 0.0),  # a tensor became a scalar
+    lambda s: s["optim"].__setitem__("state", _rekey(s["optim"]["state"], 1, True)),  # an int key became the bool equal to it
+    lambda s: s.__setitem__("flags", _rekey(s["flags"], False, 0)),  # and a bool key the int
 ], ids=["shape", "dtype", "kind", "np-dtype", "array-to-tensor", "nesting", "container", "shorter", "key", "metadata",
-        "size", "scalar-to-tensor", "tensor-to-scalar"])
+        "size", "scalar-to-tensor", "tensor-to-scalar", "int-key-to-bool", "bool-key-to-int"])
 def test_the_commit_walk_sees_every_layout_change(change):
     state = _commit_like_state()
     m = layout.describe(state)
