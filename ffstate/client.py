@@ -41,7 +41,7 @@ class Tls:
     server_name: str | None = None  # the name in the daemon's certificate, when it is not the address's host
 
 
-RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 1000
+RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 250
 
 
 # The retries' jitter has a generator of its own: the global one is the training's (its state is captured and
@@ -69,7 +69,9 @@ class Client:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # A daemon that restarts (its node's workers start a new one within seconds) is reached again within
-            # RECONNECT_MAX_MS of coming back, not gRPC's default of up to two minutes of reconnect backoff.
+            # RECONNECT_MAX_MS of coming back, not gRPC's default of up to two minutes of reconnect backoff: until
+            # its peers re-seed it, their ranks have no copy off their node (a chaos run lost a second node 1.2 s
+            # after the first came back, with 1 s here then, before one rank's re-seed).
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
@@ -128,6 +130,18 @@ class Client:
                                              f"{detail}") from None
                 raise ReplicaError(f"{what} at {self.address}: {code.name}: {detail}", code.name) from None
         raise AssertionError("unreachable")
+
+    def reachable(self, timeout: float) -> bool:
+        """Whether a connection to the daemon is up, or comes up within ``timeout`` seconds (no call is made: the
+        token is checked by the next one)."""
+        ready = grpc.channel_ready_future(self._channel)
+        try:
+            ready.result(timeout=timeout)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            ready.cancel()  # its subscription to the channel's state goes with it
 
     def _kw(self, timeout: float | None = None) -> dict:
         return {"metadata": self._metadata, "timeout": timeout or self.timeout}

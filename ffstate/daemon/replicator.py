@@ -8,9 +8,10 @@ chain of deltas and every holder gets every version in order. That keeps the hol
 aligned across ranks, so that after a node is lost some version is common to all ranks (docs/design.md
 I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
 copy of the newest version (the base of the next delta) follows by one copy of the slot. A
-holder that is down, or answers that it lacks a base, gets a full version at its next turn, after
-a backoff. The pacer (``ffstate.scheduling.scheduler``) decides when each chunk goes (docs/design.md section 4,
-step 3) and learns the link from each push.
+holder that answers that it lacks a base gets a full version at its next turn, after a backoff; one that
+is unreachable gets nothing encoded for it until a look at its connection, every quarter second at most,
+finds it answering, then its full version at once. The pacer (``ffstate.scheduling.scheduler``)
+decides when each chunk goes (docs/design.md section 4, step 3) and learns the link from each push.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from ffstate.scheduling.scheduler import Naive
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
+PROBE_TIMEOUT = 0.2  # seconds a look at an unreachable holder's connection waits for it to come up
+PROBE_EVERY = 0.25  # the longest wait between two looks
+DOWN_LOG_EVERY = 30.0  # seconds between the warnings that a holder is still unreachable
 
 
 class Pacer(Protocol):
@@ -140,8 +144,9 @@ class Replicator:
                 log.exception("replication round of %s failed; retrying", shard.key)
                 time.sleep(0.5)
 
-    def _batch(self, shard: LocalShard) -> list[tuple[Holder, list[tuple[int, Packed]]]]:
-        """What each due holder needs next: the deltas it lacks, or a full version. Under shard.lock."""
+    def _batch(self, shard: LocalShard) -> list[tuple[Holder, list[tuple[int, Packed]] | None]]:
+        """What each due holder needs next: the deltas it lacks, or a full version, or (None) a look at its
+        connection first. Under shard.lock."""
         now = time.monotonic()
         shard.chain = shard.chain[-self.keep:]
         due = [h for h in shard.holders if h.acked < shard.base_version and h.next_try <= now]
@@ -152,6 +157,9 @@ class Replicator:
             if h.resume:  # first its step back (then deltas, or a full version)
                 batch.append((h, []))
                 continue
+            if h.probe:  # unreachable at its last try: a look at its connection, nothing encoded
+                batch.append((h, None))
+                continue
             start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
             if start is None:
                 full = full or codec.encode_snapshot(shard.base, chunk_bytes=self.pacer.chunk_bytes())  # base changes in place
@@ -160,11 +168,14 @@ class Replicator:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
 
-    def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]]]]) -> None:
-        def send(job: tuple[Holder, list[tuple[int, Packed]]]) -> bool:
+    def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]] | None]]) -> None:
+        def send(job: tuple[Holder, list[tuple[int, Packed]] | None]) -> bool:
             holder, versions = job
             if holder.resume:
                 self._step_back(shard, holder)
+                return False
+            if versions is None:
+                self._probe(shard, holder)
                 return False
             return all(self._push(shard, v, holder, packed) for v, packed in versions)
 
@@ -239,9 +250,9 @@ class Replicator:
         k, version = shard.key, holder.resume
         try:
             holder.client.step_back(k.job_id, k.rank, k.world_size, version)
-        except ReplicaUnavailable as e:
-            holder.down = True
-            holder.backoff()
+        except ReplicaUnavailable as e:  # a step back is one small call: tried again as often as a look
+            holder.down, holder.down_since = True, holder.down_since or time.monotonic()
+            holder.backoff(PROBE_EVERY)
             shard.report()
             log.warning("step back of %s at %s to version %d failed (%s); retry in %.1fs", k, holder.address,
                         version, e, holder.next_try - time.monotonic())
@@ -251,10 +262,24 @@ class Replicator:
             log.info("holder %s cannot step %s back to version %d (%s): a full version next", holder.address, k,
                      version, e.code)
             return
-        holder.resume, holder.acked, holder.failures, holder.down = 0, version, 0, False
+        holder.resume, holder.acked, holder.failures, holder.down, holder.down_since = 0, version, 0, False, 0.0
         shard.report()
         log.info("holder %s stepped %s back to version %d, where the job resumed: deltas go on from it",
                  holder.address, k, version)
+
+    def _probe(self, shard: LocalShard, holder: Holder) -> None:
+        """A look at an unreachable holder's connection: answering, it gets what it lacks at the next round (a full
+        version, usually: its daemon restarted empty); not yet, another look after a backoff."""
+        if holder.client.reachable(PROBE_TIMEOUT):
+            holder.probe, holder.next_try = False, 0.0
+            log.info("holder %s answers again after %.1fs: %s goes to it next", holder.address,
+                     time.monotonic() - holder.down_since, shard.key)
+            return
+        before = holder.next_try - holder.down_since
+        holder.backoff(PROBE_EVERY)
+        if int((holder.next_try - holder.down_since) / DOWN_LOG_EVERY) > int(before / DOWN_LOG_EVERY):
+            log.warning("holder %s still unreachable after %.0fs: %s has no copy there; looking every %.2fs",
+                        holder.address, time.monotonic() - holder.down_since, shard.key, PROBE_EVERY)
 
     def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
         k = shard.key
@@ -274,18 +299,21 @@ class Replicator:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
                                           before_chunk=pace)
         except (ReplicaError, FFStateError) as e:
-            holder.down = isinstance(e, ReplicaUnavailable)
-            if not holder.down:
+            holder.down = holder.probe = isinstance(e, ReplicaUnavailable)
+            if holder.down:
+                holder.down_since = holder.down_since or time.monotonic()
+            else:
                 holder.acked = 0  # whatever went wrong, the next push is a full version
             shard.report()
-            holder.backoff()
-            log.warning("push of %s version %d to %s failed (%s); retry in %.1fs", k, version, holder.address, e,
-                        holder.next_try - time.monotonic())
+            holder.backoff(PROBE_EVERY if holder.probe else 1.0)
+            log.warning("push of %s version %d to %s failed (%s); %s", k, version, holder.address, e,
+                        "nothing more is sent until it answers" if holder.probe else
+                        f"retry in {holder.next_try - time.monotonic():.1f}s")
             return False
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
         self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start, held[0])
-        holder.acked, holder.failures, holder.down = version, 0, False
+        holder.acked, holder.failures, holder.down, holder.down_since = version, 0, False, 0.0
         shard.report()
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes

@@ -33,13 +33,18 @@ class Holder:
     failures: int = 0
     next_try: float = 0.0
     down: bool = False  # its last push found it unreachable (not merely refusing): the lag policy does not wait for it
+    # unreachable at its last try: nothing is encoded for it until a look at its connection finds it answering
+    # (a full version of a large state costs seconds of CPU; a look, nothing)
+    probe: bool = False
+    down_since: float = 0.0  # when it was first found unreachable (monotonic; 0: it is not)
     resume: int = 0  # the job resumed at this version: the holder steps its replica back to it before anything else
 
-    def backoff(self) -> None:
+    def backoff(self, cap: float = 1.0) -> None:
         self.failures += 1
-        # At most a second: a holder's daemon restarted by its node's workers is back within seconds, and until it
-        # is re-seeded this rank's only copy is its own node's.
-        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), 1.0)
+        # At most a second (a quarter of one between looks at an unreachable holder, which cost nothing): a holder's
+        # daemon restarted by its node's workers is back within seconds, and until it is re-seeded this rank's only
+        # copy is its own node's.
+        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), cap)
 
 
 @dataclass

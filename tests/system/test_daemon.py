@@ -157,6 +157,25 @@ def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
     assert len(fulls) == 2, a.log()[-2000:]  # the first seed, then the re-seed
 
 
+def test_an_unreachable_holder_gets_nothing_encoded_until_it_answers_then_its_full_version(daemons, tmp_path):
+    """A holder found unreachable costs its peers no encoding (a full version of a large state is seconds of CPU)
+    while it stays down: looks at its connection, no pushes. Once it answers, its full version goes at once."""
+    b = daemons.start()
+    a = daemons.start("--peer", b.address)
+    run_writer(a, "j6", 2, tmp_path)
+    wait_until(lambda: held_version(b.client(), "j6", 0) == 2, what="B at version 2")
+    b.kill()
+    _, states = run_writer(a, "j6", 4, tmp_path, "--from", "2")
+    time.sleep(2.5)  # B down: pushes were retried (each a full version) 5 times in this while before
+    b2 = daemons.restart(b)
+    cb = b2.client()
+    wait_until(lambda: held_version(cb, "j6", 0) == 4, what="the restarted B re-seeded at version 4")
+    log = a.log()
+    assert len(re.findall(r"push of j6/rank 0 of 2 version \d+ to \S+ failed", log)) == 1, log[-3000:]  # found down
+    assert re.search(r"holder \S+ answers again after [\d.]+s: j6/rank 0 of 2 goes to it next", log), log[-3000:]
+    assert_bitwise_equal(codec.decode(cb.fetch("j6", 0, 2)), states[3])
+
+
 def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
     a = daemons.start()
     run_writer(a, "j5", 2, tmp_path)
