@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self._metadata = ((TOKEN_KEY, token),)
+        self._ready: grpc.Future | None = None  # reachable()'s look at the connection, while it is not up
+        self._ready_lock = threading.Lock()
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -105,6 +108,9 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        with self._ready_lock:
+            if self._ready is not None:
+                self._ready.cancel()  # its subscription to the channel's state goes with it
         self._channel.close()
 
     def __repr__(self) -> str:
@@ -131,17 +137,17 @@ class Client:
                 raise ReplicaError(f"{what} at {self.address}: {code.name}: {detail}", code.name) from None
         raise AssertionError("unreachable")
 
-    def reachable(self, timeout: float) -> bool:
-        """Whether a connection to the daemon is up, or comes up within ``timeout`` seconds (no call is made: the
-        token is checked by the next one)."""
-        ready = grpc.channel_ready_future(self._channel)
-        try:
-            ready.result(timeout=timeout)
+    def reachable(self) -> bool:
+        """Whether a connection to the daemon has come up, without waiting and without a call (the token is
+        checked by the next one): the first look asks the channel to connect, and to keep trying within its
+        reconnect backoff; a later look sees whether it has."""
+        with self._ready_lock:
+            if self._ready is None:
+                self._ready = grpc.channel_ready_future(self._channel)
+            if not self._ready.done():
+                return False
+            self._ready = None
             return True
-        except grpc.FutureTimeoutError:
-            return False
-        finally:
-            ready.cancel()  # its subscription to the channel's state goes with it
 
     def _kw(self, timeout: float | None = None) -> dict:
         return {"metadata": self._metadata, "timeout": timeout or self.timeout}

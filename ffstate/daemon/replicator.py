@@ -9,7 +9,7 @@ aligned across ranks, so that after a node is lost some version is common to all
 I3); under the skip policy the worker does not wait and versions may be skipped. The daemon's own
 copy of the newest version (the base of the next delta) follows by one copy of the slot. A
 holder that answers that it lacks a base gets a full version at its next turn, after a backoff; one that
-is unreachable gets nothing encoded for it until a look at its connection, every quarter second at most,
+is unreachable gets nothing encoded for it until a look at its connection, every tenth of a second at most,
 finds it answering, then its full version at once. The pacer (``ffstate.scheduling.scheduler``)
 decides when each chunk goes (docs/design.md section 4, step 3) and learns the link from each push.
 """
@@ -31,8 +31,7 @@ from ffstate.scheduling.scheduler import Naive
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
-PROBE_TIMEOUT = 0.2  # seconds a look at an unreachable holder's connection waits for it to come up
-PROBE_EVERY = 0.25  # the longest wait between two looks
+PROBE_EVERY = 0.1  # the longest wait between two looks at an unreachable holder's connection (each costs nothing)
 DOWN_LOG_EVERY = 30.0  # seconds between the warnings that a holder is still unreachable
 
 
@@ -270,7 +269,7 @@ class Replicator:
     def _probe(self, shard: LocalShard, holder: Holder) -> None:
         """A look at an unreachable holder's connection: answering, it gets what it lacks at the next round (a full
         version, usually: its daemon restarted empty); not yet, another look after a backoff."""
-        if holder.client.reachable(PROBE_TIMEOUT):
+        if holder.client.reachable():
             holder.probe, holder.next_try = False, 0.0
             log.info("holder %s answers again after %.1fs: %s goes to it next", holder.address,
                      time.monotonic() - holder.down_since, shard.key)

@@ -41,7 +41,7 @@ class Holder:
 
     def backoff(self, cap: float = 1.0) -> None:
         self.failures += 1
-        # At most a second (a quarter of one between looks at an unreachable holder, which cost nothing): a holder's
+        # At most a second (a tenth of one between looks at an unreachable holder, which cost nothing): a holder's
         # daemon restarted by its node's workers is back within seconds, and until it is re-seeded this rank's only
         # copy is its own node's.
         self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), cap)
