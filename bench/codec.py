@@ -14,6 +14,10 @@ with LZ4 and with ZSTD, level 1, a byte shuffle by element size) and each number
 
 Plus, once: pack (state -> flat buffer) and the checksum alone.
 
+The process allocates as a daemon does (``daemon.main.return_freed_memory``: glibc's mmap threshold and arenas
+as ``ffstate serve`` sets them), since each segment's buffers are allocated and freed where the daemon's are;
+``--malloc default`` keeps glibc's own settings, for a comparison.
+
 Usage: ``ffstate bench codec [--size medium] [--steps 30] [--threads 1,2]``. Prints a table; writes
 ``bench/results/codec-cpu.json`` and a PNG plot beside it.
 """
@@ -99,10 +103,16 @@ def measure(prev: dict, cur: dict, repeats: int, threads: list[int]) -> dict:
     return out
 
 
-def run(size: str, steps: int, repeats: int, lr: float, threads: list[int], out_dir: Path) -> dict:
+def run(size: str, steps: int, repeats: int, lr: float, threads: list[int], out_dir: Path,
+        malloc: str = "daemon") -> dict:
+    if malloc == "daemon":
+        from ffstate.daemon.main import return_freed_memory
+
+        if not return_freed_memory():
+            malloc = "default (not glibc)"
     result = {"benchmark": "codec", "environment": environment("cpu"),
               "config": {"size": size, "steps": steps, "lr": lr, "repeats": repeats, "threads": threads,
-                         "chunk_bytes": codec.DEFAULT_CHUNK_BYTES}, "states": {}}
+                         "chunk_bytes": codec.DEFAULT_CHUNK_BYTES, "malloc": malloc}, "states": {}}
     for name, dtype in DTYPES.items():
         log.info("training TinyGPT-%s in %s for %d AdamW steps", size, name, steps)
         prev, cur, n_params = adamw_states(size, steps, lr, dtype)
@@ -115,7 +125,8 @@ def report(result: dict) -> str:
     cfg = result["config"]
     lines = [f"TinyGPT-{cfg['size']} ({cfg['params'] / 1e6:.2f}M params) + AdamW: the delta between steps "
              f"{cfg['steps'] - 1} and {cfg['steps']} (lr {cfg['lr']}); median of {cfg['repeats']}; x copy: one "
-             "plain copy of the same bytes (one thread) over encode + decode", ""]
+             f"plain copy of the same bytes (one thread) over encode + decode; malloc: {cfg.get('malloc', 'default')}",
+             ""]
     rows = []
     for dtype, s in result["states"].items():
         for name, w in s["ways"].items():
@@ -164,13 +175,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats; medians are reported (default: 7)")
     p.add_argument("--threads", default="1,2", help="codec thread counts to measure (default: 1,2)")
+    p.add_argument("--malloc", choices=("daemon", "default"), default="daemon",
+                   help="allocate as a daemon does (glibc's settings as ffstate serve makes them; default), or with "
+                        "glibc's own")
     p.add_argument("--out", type=Path, default=Path("bench/results"), help="results folder (default: bench/results)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise SystemExit("--steps must be at least 2: the benchmark measures the delta between the last two steps")
-    run(args.size, args.steps, args.repeats, args.lr, [int(t) for t in args.threads.split(",") if t], args.out)
+    run(args.size, args.steps, args.repeats, args.lr, [int(t) for t in args.threads.split(",") if t], args.out,
+        args.malloc)
     return 0
 
 
