@@ -30,6 +30,11 @@ def set_priority(nice: int | str) -> None:
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
 
 
+# Buffers this large and larger are mapped, and unmapped when freed: twice the default segment (Config.chunk_bytes),
+# so that a segment's own buffers come from the heap, and are reused.
+MMAP_THRESHOLD = 2 << 20
+
+
 def return_freed_memory() -> bool:
     """Makes the daemon's heap give freed buffers back to the system (glibc only; False elsewhere).
 
@@ -37,13 +42,18 @@ def return_freed_memory() -> bool:
     decoded versions and staged pushes and starts new threads. Under glibc's defaults the freed buffers stay
     in the process (the mmap threshold rises after the first large free, and every new thread may get an
     arena of its own): in the chaos run a surviving daemon's RSS grew by ~10 MB per failure, with the bytes
-    it accounts flat. A fixed threshold (buffers of 128 KiB and more are mapped, and unmapped when freed)
-    and two arenas cut that to ~1 MB.
+    it accounts flat. A fixed threshold and two arenas cut that to ~1 MB.
+
+    The threshold was 128 KiB: then every segment's buffers (blosc2's output, the payload) were mapped and
+    unmapped again, a page fault per 4 KiB each time, and the codec ran a third slower than with glibc's
+    defaults (``ffstate bench codec``, which allocates as the daemon does: fp32 LZ4 encode 0.54-0.57 GB/s a
+    thread, 0.86-0.88 at 2 MiB, 0.87 with glibc's own; decode 1.25-1.30, 1.49-1.52 and 1.53). At 2 MiB a chaos
+    run's daemons ended at 298 and 306 MB (270 at the start; 295 and 298 at 128 KiB), one run each.
     """
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)) and bool(libc.mallopt(M_ARENA_MAX, 2))
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_ARENA_MAX, 2))
     except (OSError, AttributeError):  # not glibc: its own defaults
         return False
 
