@@ -270,7 +270,7 @@ class Replicator:
         """A look at an unreachable holder's connection: answering, it gets what it lacks at the next round (a full
         version, usually: its daemon restarted empty); not yet, another look after a backoff."""
         if holder.client.reachable():
-            holder.probe, holder.next_try = False, 0.0
+            holder.probe, holder.answered, holder.next_try = False, True, 0.0
             log.info("holder %s answers again after %.1fs: %s goes to it next", holder.address,
                      time.monotonic() - holder.down_since, shard.key)
             return
@@ -298,7 +298,10 @@ class Replicator:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
                                           before_chunk=pace)
         except (ReplicaError, FFStateError) as e:
-            holder.down = holder.probe = isinstance(e, ReplicaUnavailable)
+            holder.down = isinstance(e, ReplicaUnavailable)
+            # Looks first, unless one just found it answering: then it is not its connection (a daemon that
+            # accepts and fails the push), and the next push waits out the backoff, as any failed push does.
+            holder.probe, holder.answered = holder.down and not holder.answered, False
             if holder.down:
                 holder.down_since = holder.down_since or time.monotonic()
             else:
@@ -312,7 +315,7 @@ class Replicator:
         if holder.failures:
             log.info("holder %s is back: %s version %d re-seeded (%s)", holder.address, k, version, packed.kind)
         self.pacer.after_push(holder.address, packed.nbytes, time.monotonic() - start, held[0])
-        holder.acked, holder.failures, holder.down, holder.down_since = version, 0, False, 0.0
+        holder.acked, holder.failures, holder.down, holder.down_since, holder.answered = version, 0, False, 0.0, False
         shard.report()
         shard.pushed_raw_bytes += packed.raw_nbytes
         shard.pushed_bytes += packed.nbytes

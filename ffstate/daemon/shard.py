@@ -36,6 +36,7 @@ class Holder:
     # unreachable at its last try: nothing is encoded for it until a look at its connection finds it answering
     # (a full version of a large state costs seconds of CPU; a look, nothing)
     probe: bool = False
+    answered: bool = False  # a look found it answering since its last push: if the next push fails, not its connection
     down_since: float = 0.0  # when it was first found unreachable (monotonic; 0: it is not)
     resume: int = 0  # the job resumed at this version: the holder steps its replica back to it before anything else
 
