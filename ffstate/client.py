@@ -43,6 +43,7 @@ class Tls:
 
 
 RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 250
+LOOK_TICK = 0.3  # seconds gRPC's thread watching a channel's state may still run after its last look (its tick: 0.2)
 
 
 # The retries' jitter has a generator of its own: the global one is the training's (its state is captured and
@@ -68,13 +69,16 @@ class Client:
         self._metadata = ((TOKEN_KEY, token),)
         self._ready: grpc.Future | None = None  # reachable()'s look at the connection, while it is not up
         self._ready_lock = threading.Lock()
+        self._closed = False
+        self._looked = -1.0  # when reachable() last had a look pending (monotonic)
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
             # A daemon that restarts (its node's workers start a new one within seconds) is reached again within
-            # RECONNECT_MAX_MS of coming back, not gRPC's default of up to two minutes of reconnect backoff: until
-            # its peers re-seed it, their ranks have no copy off their node (a chaos run lost a second node 1.2 s
-            # after the first came back, with 1 s here then, before one rank's re-seed).
+            # RECONNECT_MAX_MS (and gRPC's jitter, a fifth of it) of coming back, not gRPC's default of up to two
+            # minutes of reconnect backoff: until its peers re-seed it, their ranks have no copy off their node (a
+            # chaos run lost a second node 1.2 s after the first came back, with 1 s here then, before one rank's
+            # re-seed).
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
@@ -109,9 +113,19 @@ class Client:
 
     def close(self) -> None:
         with self._ready_lock:
+            self._closed = True
             if self._ready is not None:
                 self._ready.cancel()  # its subscription to the channel's state goes with it
-        self._channel.close()
+                self._ready = None
+            looked = time.monotonic() - self._looked < LOOK_TICK
+        if not looked:
+            self._channel.close()
+            return
+        # gRPC's thread that watched the channel for a look stops at its next tick; a channel closed under it
+        # makes it die with a traceback in the log ("Cannot monitor channel state: Channel closed!")
+        later = threading.Timer(LOOK_TICK, self._channel.close)
+        later.daemon = True
+        later.start()
 
     def __repr__(self) -> str:
         return f"Client({self.address!r})"
@@ -142,8 +156,11 @@ class Client:
         checked by the next one): the first look asks the channel to connect, and to keep trying within its
         reconnect backoff; a later look sees whether it has."""
         with self._ready_lock:
+            if self._closed:  # a holder replaced while a look at it ran: its channel is gone
+                return False
             if self._ready is None:
                 self._ready = grpc.channel_ready_future(self._channel)
+            self._looked = time.monotonic()
             if not self._ready.done():
                 return False
             self._ready = None

@@ -137,6 +137,9 @@ class Replicator:
                         if version > shard.base_version and not self._take(shard, version, k):
                             break
                     if pushing is None or pushing.done():
+                        if pushing is not None and pushing.exception() is not None:  # a bug: said, not swallowed
+                            log.error("replication batch of %s failed: %r", shard.key, pushing.exception())
+                            time.sleep(0.5)
                         batch = self._batch(shard)
                         pushing = self._batches.submit(self._send, shard, batch) if batch else None
             except Exception:  # a bug here must not silently stop replication of this rank
@@ -250,14 +253,17 @@ class Replicator:
         try:
             holder.client.step_back(k.job_id, k.rank, k.world_size, version)
         except ReplicaUnavailable as e:  # a step back is one small call: tried again as often as a look
+            first = not holder.down_since
             holder.down, holder.down_since = True, holder.down_since or time.monotonic()
+            before = holder.next_try - holder.down_since
             holder.backoff(PROBE_EVERY)
             shard.report()
-            log.warning("step back of %s at %s to version %d failed (%s); retry in %.1fs", k, holder.address,
-                        version, e, holder.next_try - time.monotonic())
+            if first or int((holder.next_try - holder.down_since) / DOWN_LOG_EVERY) > int(before / DOWN_LOG_EVERY):
+                log.warning("step back of %s at %s to version %d failed (%s); trying every %.2fs", k, holder.address,
+                            version, e, PROBE_EVERY)
             return
         except ReplicaError as e:
-            holder.resume, holder.acked, holder.down = 0, 0, False
+            holder.resume, holder.acked, holder.down, holder.down_since = 0, 0, False, 0.0
             log.info("holder %s cannot step %s back to version %d (%s): a full version next", holder.address, k,
                      version, e.code)
             return

@@ -45,7 +45,8 @@ class Holder:
         # At most a second (a tenth of one between looks at an unreachable holder, which cost nothing): a holder's
         # daemon restarted by its node's workers is back within seconds, and until it is re-seeded this rank's only
         # copy is its own node's.
-        self.next_try = time.monotonic() + min(0.1 * 2 ** (self.failures - 1), cap)
+        # (the exponent bounded: looks count as failures, ten a second, and 2.0 ** 1024 overflows a float)
+        self.next_try = time.monotonic() + min(0.1 * 2 ** min(self.failures - 1, 10), cap)
 
 
 @dataclass

@@ -5,6 +5,8 @@ and the push still fails. The end-to-end case, with real daemons, is in tests/sy
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from ffstate.daemon.replicator import PROBE_EVERY, Replicator
 from ffstate.daemon.shard import Holder
 from ffstate.errors import ReplicaUnavailable
@@ -46,3 +48,29 @@ def test_an_unreachable_holder_is_looked_at_then_pushed_to_then_backed_off_if_it
     assert holder.next_try - time.monotonic() > PROBE_EVERY
     assert not rep._push(shard, 3, holder, SimpleNamespace(kind="full", nbytes=10))
     assert holder.probe  # failing again after that: looks again first
+
+
+def test_a_holder_down_for_long_is_still_looked_at_a_tenth_of_a_second_apart():
+    # Looks count as failures, ten a second: after 1,024 of them (102 s) the backoff's 2 ** n overflowed a float,
+    # the batch died silently and the replicator span without any backoff.
+    client = Unreachable()
+    holder, shard, rep = Holder("b:1", client), _shard(), Replicator(lambda a: client, [])
+    rep._push(shard, 3, holder, SimpleNamespace(kind="full", nbytes=10))
+    holder.failures = 5000
+    rep._probe(shard, holder)
+    assert holder.probe and 0 < holder.next_try - time.monotonic() <= PROBE_EVERY
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_closed_client_is_never_reachable_and_its_look_ends_quietly():
+    # A holder replaced (its client closed) while a look at it ran must not be seen answering (a cancelled look
+    # counts as done), and gRPC's thread watching the channel must not die on the closed channel with a traceback.
+    from ffstate.client import Client
+
+    for wait in (0.0, 0.05, 0.1, 0.15):
+        c = Client("127.0.0.1:9", "token")  # nothing listens there
+        assert not c.reachable()
+        time.sleep(wait)
+        c.close()
+        assert not c.reachable()
+    time.sleep(0.6)  # past the watching thread's next tick (0.2 s)
