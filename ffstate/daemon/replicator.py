@@ -35,6 +35,14 @@ PROBE_EVERY = 0.1  # the longest wait between two looks at an unreachable holder
 DOWN_LOG_EVERY = 30.0  # seconds between the warnings that a holder is still unreachable
 
 
+def _look_again(holder: Holder) -> bool:
+    """Backs ``holder`` off until its next look (``PROBE_EVERY`` at most); whether its time down has just crossed a
+    multiple of ``DOWN_LOG_EVERY`` (a warning is due)."""
+    before = holder.next_try - holder.down_since
+    holder.backoff(PROBE_EVERY)
+    return int((holder.next_try - holder.down_since) / DOWN_LOG_EVERY) > int(before / DOWN_LOG_EVERY)
+
+
 class Pacer(Protocol):
     """Decides when the next chunk may go out (``ffstate.scheduling.scheduler``), and learns from each push."""
 
@@ -136,10 +144,10 @@ class Replicator:
                     for version, k in shard.slots.committed(ascending=True):
                         if version > shard.base_version and not self._take(shard, version, k):
                             break
+                    if pushing is not None and pushing.done() and pushing.exception() is not None:
+                        failed, pushing = pushing.exception(), None
+                        raise failed  # a bug in a batch: logged below with its traceback, as one in a round
                     if pushing is None or pushing.done():
-                        if pushing is not None and pushing.exception() is not None:  # a bug: said, not swallowed
-                            log.error("replication batch of %s failed: %r", shard.key, pushing.exception())
-                            time.sleep(0.5)
                         batch = self._batch(shard)
                         pushing = self._batches.submit(self._send, shard, batch) if batch else None
             except Exception:  # a bug here must not silently stop replication of this rank
@@ -255,10 +263,8 @@ class Replicator:
         except ReplicaUnavailable as e:  # a step back is one small call: tried again as often as a look
             first = not holder.down_since
             holder.down, holder.down_since = True, holder.down_since or time.monotonic()
-            before = holder.next_try - holder.down_since
-            holder.backoff(PROBE_EVERY)
             shard.report()
-            if first or int((holder.next_try - holder.down_since) / DOWN_LOG_EVERY) > int(before / DOWN_LOG_EVERY):
+            if _look_again(holder) or first:
                 log.warning("step back of %s at %s to version %d failed (%s); trying every %.2fs", k, holder.address,
                             version, e, PROBE_EVERY)
             return
@@ -280,9 +286,7 @@ class Replicator:
             log.info("holder %s answers again after %.1fs: %s goes to it next", holder.address,
                      time.monotonic() - holder.down_since, shard.key)
             return
-        before = holder.next_try - holder.down_since
-        holder.backoff(PROBE_EVERY)
-        if int((holder.next_try - holder.down_since) / DOWN_LOG_EVERY) > int(before / DOWN_LOG_EVERY):
+        if _look_again(holder):
             log.warning("holder %s still unreachable after %.0fs: %s has no copy there; looking every %.2fs",
                         holder.address, time.monotonic() - holder.down_since, shard.key, PROBE_EVERY)
 
