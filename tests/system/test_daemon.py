@@ -185,6 +185,29 @@ def test_daemon_exit_removes_its_shared_memory(daemons, tmp_path):
     assert not any(p.exists() for p in slots)
 
 
+
+def test_a_flood_of_sigterms_stops_the_daemon_cleanly(daemons, tmp_path):
+    """Signals close behind each other (a supervisor's, a second Ctrl-C, the suite's own clean-up) deadlocked a
+    daemon whose handler set its stop event itself (7 of 10 flooded for 0.5 s): it stops, its slots removed."""
+    for i in range(3):
+        a = daemons.start()
+        run_writer(a, f"j5f{i}", 1, tmp_path)
+        slots = list(shm.slots.SHM_DIR.glob(f"ffstate-{a.node_id}-*"))
+        assert len(slots) == 2
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline and a.proc.poll() is None:
+            try:
+                os.kill(a.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                break
+        try:
+            code = a.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            code = a.terminate()  # stuck: its stacks in the message
+        assert code == 0, a.log()[-3000:]
+        assert "SIGTERM: stopping" in a.log() and f"daemon {a.node_id} stopped" in a.log(), a.log()[-3000:]
+        assert not any(p.exists() for p in slots)
+
 def test_sigusr2_writes_every_thread_s_stack_to_the_daemon_s_log_and_it_goes_on(daemons):
     """What a stuck daemon is doing, read without stopping it (the suite's teardown asks for it before a SIGKILL)."""
     d = daemons.start()
