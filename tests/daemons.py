@@ -66,14 +66,17 @@ class DaemonFactory:
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN)
 
-    def start(self, *extra: str, node_id: str | None = None, port: int = 0, tls: bool = False) -> Daemon:
+    def start(self, *extra: str, node_id: str | None = None, port: int = 0, tls: bool = False,
+              session: bool = False) -> Daemon:
+        """An ``ffstate serve``; with ``session``, in a session (and process group) of its own, as a service manager
+        starts one: a signal to its group reaches its children too."""
         node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
         log_path = self.tmp / f"{node_id}-{len(self.daemons)}.log"
         args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),
                 "--token-file", str(self.token_file), *extra]
         out = open(log_path, "w")
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=session)
         deadline = time.monotonic() + START_TIMEOUT
         line = ""
         while time.monotonic() < deadline:

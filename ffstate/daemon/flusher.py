@@ -253,6 +253,11 @@ def _write(job: dict, fd: int) -> dict:
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
+    # The daemon owns this process: it ends when the daemon closes its socket (after the flush in hand) or dies
+    # (PR_SET_PDEATHSIG). A SIGTERM or Ctrl-C sent to the daemon's whole group (systemd's stop, a terminal, Slurm)
+    # stops the daemon, which waits for this flush: it must not end the flush half-written.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     _die_with(parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ffstate import persist

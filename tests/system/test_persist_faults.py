@@ -142,3 +142,24 @@ def test_the_flushing_process_runs_at_the_idle_priority_by_default_or_at_the_nic
         child = wait_until(lambda: _children(d.proc.pid), what="the flushing process started")[0]
         wait_until(lambda: (os.sched_getscheduler(child), os.getpriority(os.PRIO_PROCESS, child)) == (policy, niceness),
                    timeout=10, what=f"the flushing process of {d.node_id} at policy {policy}, niceness {niceness}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_daemon_s_whole_group_still_lets_its_last_flush_finish(daemons, tmp_path, sig):
+    """systemd's stop (every process of the unit), a Ctrl-C in a terminal and Slurm signal the daemon's children
+    with it: the flushing process goes on with the flush in hand (the daemon waits for it as it stops), and the
+    version is complete on disk. The flush is held in the child (stopped) while the signal is sent."""
+    store = tmp_path / "store"
+    d = daemons.start("--persist-dir", str(store), "--persist-every", "1", *BUSY, session=True)
+    child = wait_until(lambda: flushes(d).flusher_pid, timeout=120, what="the flushing process ready")
+    os.kill(child, signal.SIGSTOP)
+    states = write(d, "grp", 1, tmp_path)
+    wait_until(lambda: flushes(d).pending == 1, what="version 1 handed to the stopped flushing process")
+    os.killpg(d.proc.pid, sig)
+    os.kill(child, signal.SIGCONT)  # the signal is delivered to it now
+    assert d.proc.wait(60) == 0, d.log()[-3000:]
+    assert "died while writing" not in d.log(), d.log()[-3000:]
+    assert persist.complete_versions(store / "grp") == [1], d.log()[-3000:]
+    shard, _ = persist.read_shard(persist.version_dir(store / "grp", 1), 0)
+    assert_bitwise_equal(shard, states[0])
+
