@@ -60,17 +60,33 @@ def checkpoint_baseline(state_file: Path, repeats: int = 3) -> tuple[float, floa
     return sorted(saves)[repeats // 2], sorted(loads)[repeats // 2], size
 
 
-def leftover_daemons(run_dir: Path) -> list[int]:
-    """Kills daemons of the demo's job still alive (there should be none) and returns their pids."""
+def leftover_daemons(run_dir: Path, wait: float = 15.0) -> list[int]:
+    """Stops daemons of the demo's job still alive (none after a finished run; both after a Ctrl-C) and returns
+    their pids: SIGTERM, up to ``wait`` seconds for their clean stop (their shared memory removed, their logs
+    complete), then SIGKILL."""
     pids = []
     for pid_file in run_dir.glob("daemon-*.pid"):
-        pid = int(pid_file.read_text())
         try:
+            pid = int(pid_file.read_text())
             os.kill(pid, signal.SIGTERM)
             pids.append(pid)
-        except ProcessLookupError:
+        except (OSError, ValueError):  # gone meanwhile (it removes its pid file as it stops)
             pass
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(_running(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
     return pids
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie: the daemons are not the demo's children, but a session's own)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX"
+    except OSError:
+        return False
 
 
 def main(args: argparse.Namespace) -> int:

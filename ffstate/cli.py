@@ -217,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.run(args)
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up (its finally blocks) has run; no traceback
+        print(f"ffstate {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
