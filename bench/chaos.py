@@ -144,23 +144,22 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _leftover_daemons(run_dir: Path, wait: float = 15.0) -> list[int]:
-    """Daemons still alive ``wait`` seconds after the job (SIGTERMed, then reported)."""
-    give_up = time.time() + wait
-    while True:
-        alive = []
-        for pid_file in run_dir.glob("daemon-*.pid"):
-            try:
-                pid = int(pid_file.read_text())
-                os.kill(pid, 0)
-                alive.append(pid)
-            except (OSError, ValueError):
-                pass
-        if not alive or time.time() > give_up:
-            break
-        time.sleep(0.2)
-    for pid in alive:
-        os.kill(pid, signal.SIGTERM)
+def _leftover_daemons(job: str, wait: float = 15.0) -> list[int]:
+    """Daemons of ``job`` still alive ``wait`` seconds after the job (SIGTERMed, then reported); through pidfds
+    (``daemon_pidfds``: a pid file a killed daemon left may name another process by now)."""
+    from ffstate.daemon.launch import daemon_pidfds, ended
+
+    fds = daemon_pidfds(job)
+    try:
+        give_up = time.monotonic() + wait
+        while time.monotonic() < give_up and not all(ended(fd) for fd in fds.values()):
+            time.sleep(0.2)
+        alive = [pid for pid, fd in fds.items() if not ended(fd)]
+        for pid in alive:
+            signal.pidfd_send_signal(fds[pid], signal.SIGTERM)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return alive
 
 
@@ -252,7 +251,7 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
         wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json"), *worker], env,
                          work / "with-failures.log", restarts, timeout, world)
     finally:
-        left = _leftover_daemons(run_dir)
+        left = _leftover_daemons(job)
         sampler.stopped.set()
         sampler.join()
         for kept in [*run_dir.glob("daemon-*.log"), *run_dir.glob("stacks-rank*.txt"), run_dir / "events.jsonl"]:

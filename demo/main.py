@@ -60,33 +60,26 @@ def checkpoint_baseline(state_file: Path, repeats: int = 3) -> tuple[float, floa
     return sorted(saves)[repeats // 2], sorted(loads)[repeats // 2], size
 
 
-def leftover_daemons(run_dir: Path, wait: float = 15.0) -> list[int]:
-    """Stops daemons of the demo's job still alive (none after a finished run; both after a Ctrl-C) and returns
-    their pids: SIGTERM, up to ``wait`` seconds for their clean stop (their shared memory removed, their logs
-    complete), then SIGKILL."""
-    pids = []
-    for pid_file in run_dir.glob("daemon-*.pid"):
-        try:
-            pid = int(pid_file.read_text())
-            os.kill(pid, signal.SIGTERM)
-            pids.append(pid)
-        except (OSError, ValueError):  # gone meanwhile (it removes its pid file as it stops)
-            pass
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
-        time.sleep(0.1)
-    for pid in pids:
-        if _running(pid):
-            os.kill(pid, signal.SIGKILL)
-    return pids
+def leftover_daemons(job: str, wait: float = 45.0) -> list[int]:
+    """Stops the daemons of the demo's job still alive (none after a finished run; both after a Ctrl-C) and returns
+    their pids: SIGTERM, up to ``wait`` seconds for their clean stop (shared memory removed, logs complete; a
+    daemon allows a flush to the persistent tier 40 s), then SIGKILL; through pidfds (``daemon_pidfds``)."""
+    from ffstate.daemon.launch import daemon_pidfds, ended
 
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` runs (not a zombie: the daemons are not the demo's children, but a session's own)."""
+    fds = daemon_pidfds(job)
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] not in "ZX"
-    except OSError:
-        return False
+        for fd in fds.values():
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not all(ended(fd) for fd in fds.values()):
+            time.sleep(0.1)
+        for fd in fds.values():
+            if not ended(fd):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return list(fds)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -114,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"run with failures finished in {t_fail:.1f}s; now the reference run, without failures")
         t_ref = torchrun(reference, args.steps, ["--no-ffstate"], env, out / "reference.log", args.timeout)
     finally:
-        left = leftover_daemons(run_dir)
+        left = leftover_daemons(job)
         for kept in [*run_dir.glob("daemon-*.log"), run_dir / "events.jsonl"]:  # the daemons' logs stay with the demo's
             if kept.exists():
                 shutil.copy(kept, failing / kept.name)

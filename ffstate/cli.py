@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -54,7 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     set_priority(cfg.nice)
     return_freed_memory()
     import faulthandler
-    import signal
 
     # `kill -USR2 <daemon>` writes every thread's stack to its log (stderr): what a stuck daemon is doing, read at
     # the C level, whatever its main thread is blocked in.
@@ -220,8 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up (its finally blocks) has run; no traceback
-        print(f"ffstate {args.command}: interrupted", file=sys.stderr)
-        return 130
+        print(f"ffstate {args.command}: interrupted", file=sys.stderr, flush=True)
+        # Ended by SIGINT, as the shell expects of a program it sent one (a script running `ffstate` stops too;
+        # an exit code of 130 would make bash carry on with the script).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise  # not reached
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ the copy: nothing is left in ``/dev/shm`` whoever dies, and its memory is freed 
 
 The child dies with the daemon (``PR_SET_PDEATHSIG``) and ends when its socket closes. If it dies mid-flush
 (the OOM killer, a bug), the flush counts as failed, what it wrote is removed, and the next flush starts a
-new one.
+new one. It ignores SIGTERM and SIGINT from its first lines: a stop sent to the daemon's whole group
+(systemd's, a terminal's Ctrl-C, Slurm's) stops the daemon, which lets the flush in hand finish.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+if __name__ == "__main__":  # the flushing process: deaf to its group's signals before its imports (a second)
+    for _sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(_sig, signal.SIG_IGN)
+
+import torch  # noqa: E402
 
 log = logging.getLogger("ffstate.daemon.flusher")
 
@@ -255,7 +260,8 @@ def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
     # The daemon owns this process: it ends when the daemon closes its socket (after the flush in hand) or dies
     # (PR_SET_PDEATHSIG). A SIGTERM or Ctrl-C sent to the daemon's whole group (systemd's stop, a terminal, Slurm)
-    # stops the daemon, which waits for this flush: it must not end the flush half-written.
+    # stops the daemon, which waits for this flush: it must not end the flush half-written. (Ignored already,
+    # as the module started; again here for a caller of main.)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     _die_with(parent)

@@ -286,6 +286,35 @@ def local_daemons(job: str = "") -> list[Found]:
     return out
 
 
+
+def daemon_pidfds(job: str) -> dict[int, int]:
+    """{pid: pidfd} of the daemons workers started for ``job`` on this machine (``local_daemons``), each checked,
+    once opened, to run that node's ``ffstate serve``: a pid file a SIGKILLed daemon left may name another process
+    by now, and a pidfd never reaches a later process with the same pid (``signal.pidfd_send_signal``). The
+    caller closes them."""
+    fds = {}
+    for d in local_daemons(job):
+        try:
+            fd = os.pidfd_open(d.pid)
+        except OSError:  # gone meanwhile
+            continue
+        try:
+            argv = Path(f"/proc/{d.pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            argv = []
+        if b"serve" in argv and d.node_id.encode() in argv and not ended(fd):  # that command line was its own
+            fds[d.pid] = fd
+        else:
+            os.close(fd)
+    return fds
+
+
+def ended(pidfd: int) -> bool:
+    """Whether the process of ``pidfd`` has ended (a pidfd turns readable then)."""
+    import select
+
+    return bool(select.select([pidfd], [], [], 0)[0])
+
 @contextlib.contextmanager
 def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., int]]:
     """The node's ranks start its daemon one at a time (a lock file in the run folder). Inside, ``started()`` says

@@ -77,8 +77,12 @@ class StopSignals:
         os.set_blocking(self._write, False)
         self._thread = threading.Thread(target=self._run, name="ffstate-signals", daemon=True)
         self._thread.start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._handle)  # ValueError outside the main thread
+        except BaseException:
+            os.close(self._write)  # the thread ends, closing its end
+            raise
 
     def _handle(self, signum: int, _frame) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):  # first: a flood of signals nests no deeper than these lines
@@ -89,30 +93,39 @@ class StopSignals:
             pass
 
     def _run(self) -> None:
-        while data := os.read(self._read, 64):
-            if not self.done.is_set():
-                log.info("%s: stopping", signal.Signals(data[0]).name)
-            self.done.set()
+        try:
+            while data := os.read(self._read, 64):
+                first = not self.done.is_set()
+                self.done.set()  # before the log line: a blocked stderr must not hold the stop
+                if first:
+                    log.info("%s: stopping", signal.Signals(data[0]).name)
+        finally:
+            os.close(self._read)  # here, not in close(): never a descriptor this thread may still read
 
     def close(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)  # before the pipe closes: no handler writes to a closed descriptor
-        os.close(self._write)  # the thread reads its end and exits
+        os.close(self._write)  # the thread reads the end of its pipe, closes it and exits
         self._thread.join(5.0)
-        os.close(self._read)
 
 
 def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: Pacer | None = None) -> int:
     """Runs a daemon until SIGTERM/SIGINT, the idle timeout or an empty node (``exit_when_empty``); returns the
     exit code. ``ready(port)`` is called once it listens; ``pacer`` replaces the configured scheduler. Call it
     from the main thread (the signals' handlers); from its return on, SIGTERM and SIGINT are ignored."""
-    node = Node(cfg, pacer)
-    stop = StopSignals(node.done)  # before the port is announced: a SIGTERM right after it is a clean stop too
+    done = threading.Event()
+    stop = StopSignals(done)  # first: a SIGTERM while the node starts is a clean stop too
+    try:
+        return _serve(cfg, ready, Node(cfg, pacer, done))
+    finally:
+        stop.close()
+
+
+def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -> int:
     try:
         server, port = start_server(node, cfg)
     except BaseException:
         node.close()
-        stop.close()
         raise
     metrics = None
     try:
@@ -145,5 +158,4 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
         log.info("ffstate daemon %s stopped", cfg.node_id)
         if cfg.pid_file:
             cfg.pid_file.unlink(missing_ok=True)
-        stop.close()
     return 0

@@ -63,7 +63,7 @@ class SlotsInfo:
 class Node:
     """The replica daemon's state: the store, the local ranks' slots and their replicator."""
 
-    def __init__(self, cfg: DaemonConfig, pacer: Pacer | None = None):
+    def __init__(self, cfg: DaemonConfig, pacer: Pacer | None = None, done: threading.Event | None = None):
         self.cfg = cfg
         check_id(cfg.node_id, "node id")
         self.store = Store(cfg.memory_limit or default_memory_limit(), cfg.keep_deltas, cfg.max_chunk_bytes)
@@ -88,7 +88,7 @@ class Node:
         self.watchdog = Watchdog(cfg, lambda: [(s.key, s.slots) for s in self._shards()])
         self.watchdog.start()
         self.drainer = Drainer(self._shards)
-        self.done = threading.Event()  # set when the node has nothing left to do (--exit-when-empty)
+        self.done = done if done is not None else threading.Event()  # --exit-when-empty, or a stop signal
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
         except OSError as e:  # no abstract Unix sockets here: the replicator's look at the slots still finds commits
