@@ -286,7 +286,6 @@ def local_daemons(job: str = "") -> list[Found]:
     return out
 
 
-
 def daemon_pidfds(job: str) -> dict[int, int]:
     """{pid: pidfd} of the daemons workers started for ``job`` on this machine (``local_daemons``), each checked,
     once opened, to run that node's ``ffstate serve``: a pid file a SIGKILLed daemon left may name another process
@@ -314,6 +313,7 @@ def ended(pidfd: int) -> bool:
     import select
 
     return bool(select.select([pidfd], [], [], 0)[0])
+
 
 @contextlib.contextmanager
 def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., int]]:

@@ -68,7 +68,7 @@ class StopSignals:
     A handler that set the event itself deadlocked the daemon there, its slots never removed: 7 of 10 daemons
     flooded with SIGTERMs for 0.5 s, and once in a CI run whose clean-up sent two. The handler here only
     writes the signal's number to a pipe (no lock) after ignoring both signals from then on (a flood of them
-    nested handlers until a RecursionError); the thread reading it logs and sets the event. Once the daemon is
+    nested handlers until a RecursionError); the thread reading it sets the event, then logs. Once the daemon is
     stopping, more signals change nothing: its clean-up runs to the end (SIGKILL still stops it)."""
 
     def __init__(self, done: threading.Event):
