@@ -5,13 +5,14 @@
         torchrun --standalone --nproc-per-node 4 --max-restarts 3 -m ffstate.demo.worker --out DIR [--steps 40]
         [--kill-rank R --kill-step S [--kill-phase after-commit|mid-step|mid-commit]]
         [--kill-node N --kill-node-step S] [--kill-daemon N --kill-daemon-step S] [--kill-job-steps S,...]
-        [--chaos FILE] [--no-ffstate]
+        [--preempt-step S] [--chaos FILE] [--no-ffstate]
 
 ``--kill-rank`` SIGKILLs rank R at step S: right after its commit (default), in the middle of the
 step (after backward, before the optimizer step), or in the middle of the commit (the slot half
 written). ``--kill-node`` SIGKILLs node N's daemon and every rank of node N after step S.
 ``--kill-daemon`` SIGKILLs only node N's daemon after step S; training goes on. ``--kill-job-steps``
-SIGKILLs every daemon and every rank after each of those steps (the whole job lost). Each failure
+SIGKILLs every daemon and every rank after each of those steps (the whole job lost); ``--preempt-step``
+sends SIGTERM to all of them and the torchrun agent at once (a preemption). Each failure
 happens once (a marker file in DIR). ``--chaos`` takes a whole schedule of failures (``faults.py``).
 At the end every rank writes its final parameters and optimizer shard to DIR/final-rank{R}.pt.
 ``ffstate demo`` (``demo/main.py``) runs this twice and compares.
@@ -60,11 +61,11 @@ def once(marker: Path) -> bool:
     return True
 
 
-def kill_daemon(node: int) -> None:
-    """SIGKILLs simulated node ``node``'s daemon (found by the pid file it writes)."""
+def kill_daemon(node: int, sig: int = signal.SIGKILL) -> None:
+    """SIGKILLs (or ``sig``) simulated node ``node``'s daemon (found by the pid file it writes)."""
     job = ffstate.job.job_id(ffstate.Config.from_env())
     pid_file = Path(tempfile.gettempdir()) / f"ffstate-{job}" / f"daemon-node{node}.pid"
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    os.kill(int(pid_file.read_text()), sig)
 
 
 def main() -> None:
@@ -84,6 +85,9 @@ def main() -> None:
                    help="before each whole-job kill, wait (at most 45 s) until the persistent tier holds this many "
                         "complete versions newer than the step the run started from: what the kill is to find, "
                         "whatever the machine's load let the flushing process write by then")
+    p.add_argument("--preempt-step", type=int, default=0,
+                   help="after this step, rank 0 sends SIGTERM to the torchrun agent, every rank and every daemon at "
+                        "once, as a cluster's preemption does")
     p.add_argument("--chaos", type=Path, help="a JSON schedule of failures (demo/faults.py; ffstate bench chaos)")
     p.add_argument("--no-ffstate", action="store_true", help="the reference run: the same training, no ffstate")
     p.add_argument("--parallel", choices=("ddp-zero", "ddp", "fsdp2", "manual"), default="ddp-zero",
@@ -187,6 +191,8 @@ def main() -> None:
                     _maybe_kill_node(a, rank, per_node, step + 1)
                 if str(step + 1) in a.kill_job_steps.split(","):
                     _maybe_kill_job(a.out, rank, world // per_node, step + 1, a.kill_job_persisted, ff.start_step)
+                if step + 1 == a.preempt_step and rank == 0:
+                    _preempt(a.out, world // per_node, step + 1)
                 if step + 1 == a.status_step and rank == 0:
                     _status(a.out / "status.txt", world // per_node)
     final = {"params": dict(capture.local(model.state_dict())), "optim": capture.local(capture.optimizer_state(opt)),
@@ -231,6 +237,21 @@ def _maybe_kill_job(out: Path, rank: int, nodes: int, step: int, persisted: int,
             kill_daemon(node)
     dist.barrier()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _preempt(out: Path, nodes: int, step: int) -> None:
+    """Once: SIGTERM to every process of the job at once, as a cluster's preemption sends it (Slurm's to every
+    process of the job, a machine's shutdown): the torchrun agent, every rank, every node's daemon. No barrier:
+    the other ranks stop wherever they are in their step."""
+    if not once(out / "preempted"):
+        return
+    _note(out, {"failure": "preempt", "after_step": step, "time": time.time()})
+    agent = os.getppid()
+    ranks = [int(c) for t in Path(f"/proc/{agent}/task").iterdir() for c in (t / "children").read_text().split()]
+    for node in range(nodes):
+        kill_daemon(node, signal.SIGTERM)
+    for pid in [agent, *(r for r in ranks if r != os.getpid()), os.getpid()]:
+        os.kill(pid, signal.SIGTERM)
 
 
 def _wait_persisted(count: int, start: int, timeout: float = 45.0) -> None:

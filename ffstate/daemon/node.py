@@ -350,8 +350,8 @@ class Node:
 
     def close(self) -> None:
         self.watchdog.close()
-        if self.persister is not None:  # what is queued is written first (bounded)
-            self.persister.close()
+        if self.persister is not None:  # the versions of ranks still attached, and what is queued (bounded)
+            self.persister.close(self._shards())
         with self._lock:
             shards = list(self.local.values())
             self.local.clear()

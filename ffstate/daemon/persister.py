@@ -90,9 +90,18 @@ class Persister:
         self._thread.start()
         log.info("persistent tier: %s, every %d steps, keeping %d complete versions", self.root, every, keep)
 
-    def close(self, wait: float = 30.0) -> None:
-        """Finishes what is queued (at most ``wait`` seconds; nothing if the flushing process is still starting),
-        then stops."""
+    def close(self, attached: list = (), wait: float = 30.0) -> None:
+        """Flushes the versions the slots of the ``attached`` ranks hold (``final``: the daemon stops under a job, as
+        when a preempted job's every process is signalled), finishes what is queued (at most ``wait`` seconds in
+        all; nothing if the flushing process is still starting), then stops."""
+        deadline = time.monotonic() + wait
+        if attached and self._flusher.ready:
+            if said := self.final(attached, wait, every_committed=True):
+                log.info("stopping with ranks attached: %s", "; ".join(said))
+        elif attached:
+            log.warning("stopping with ranks attached, and no flushing process ready: their last versions are not "
+                        "written to the persistent tier")
+        wait = max(1.0, deadline - time.monotonic())
         self._closing = True
         self._flusher.stop_starting()
         self._queue.put(None)
@@ -144,36 +153,39 @@ class Persister:
                 self._queued.popitem(last=False)
         self._queue.put(_Job(key, version, copy, checksum))
 
-    def final(self, shards: list, wait: float = FINAL_WAIT) -> list[str]:
+    def final(self, shards: list, wait: float = FINAL_WAIT, every_committed: bool = False) -> list[str]:
         """The job ended: the last committed version of each of its local ``shards`` (``LocalShard``) is flushed
-        whatever its step (unless it was already), and the flushes waited for, at most ``wait`` seconds. Returns
-        what happened, a line per rank (for the daemon's log)."""
+        whatever its step (unless it was already), and the flushes waited for, at most ``wait`` seconds. With
+        ``every_committed``, each version their slots hold committed (the newest two): when a job is stopped by a
+        signal to every process its ranks stop up to a step apart, and only the older may be every rank's.
+        Returns what happened, a line per rank and version (for the daemon's log)."""
         said = []
         for shard in shards:
-            got = copy_verified(shard.slots)
-            if got is None:
-                continue
-            (version, snap), key, keys = got, shard.key, shard.persist_keys
-            manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
-            with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
-                if (key.job_id, key.rank, key.world_size, version) in self._queued:
-                    said.append(f"{key}: its last version {version} was flushed already")
-                    continue
-                self._decided[(key.job_id, version)] = True
-            try:
-                self.reserve(data.numel(), f"the copy of {key}'s last version {version} for the persistent tier")
-                copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
-            except (ReplicaError, OSError) as e:
-                said.append(f"{key}: its last version {version} cannot be flushed: {e}")
-                continue
-            self._queue_copy(key, version, copy, checksum)
-            said.append(f"{key}: its last version {version} flushed")
+            for want in [v for v, _ in shard.slots.committed()] if every_committed else [0]:
+                got = copy_verified(shard.slots, want)
+                if got is not None:
+                    said.append(self._final_copy(shard, *got))
         deadline = time.monotonic() + wait
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.02)
         if self._queue.unfinished_tasks:
             said.append(f"not all written within {wait:.0f}s")
         return said
+
+    def _final_copy(self, shard, version: int, snap) -> str:
+        key, keys = shard.key, shard.persist_keys
+        manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
+        with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
+            if (key.job_id, key.rank, key.world_size, version) in self._queued:
+                return f"{key}: version {version} was flushed already"
+            self._decided[(key.job_id, version)] = True
+        try:
+            self.reserve(data.numel(), f"the copy of {key}'s version {version} for the persistent tier")
+            copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
+        except (ReplicaError, OSError) as e:
+            return f"{key}: version {version} cannot be flushed: {e}"
+        self._queue_copy(key, version, copy, checksum)
+        return f"{key}: version {version} flushed"
 
     def _decide(self, job: str, version: int) -> bool:
         """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version

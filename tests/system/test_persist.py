@@ -126,6 +126,28 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
                 assert_bitwise_equal(plain["optim"][f"{fqn}.{name}"], shard["own"]["optim"]["shard"]["state"][index][name])
 
 
+
+def test_a_job_preempted_by_sigterm_to_every_process_resumes_from_the_versions_its_daemons_wrote_as_they_stopped(tmp_path):
+    """A cluster's preemption signals every process of the job at once (the agent, the ranks, the daemons): the ranks
+    stop wherever they are, up to a step apart, and each daemon, stopping, writes the versions its ranks' slots hold
+    (the newest two): one of them is every rank's, so a relaunch on new machines resumes from it where the periodic
+    versions (every 100 steps here) had none, and ends bit-identical."""
+    job, store = f"preempt-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
+    reference = tmp_path / "reference"
+    torchrun(reference, env_for(tmp_path, "reference"), "--no-ffstate")
+    env, out, job_dir = {**env_for(tmp_path, job, store), "FFSTATE_PERSIST_EVERY": "100"}, tmp_path / "out", store / job
+    torchrun(out, env, "--preempt-step", "9", ok=False)
+    new_machines(tmp_path, job)
+    done = persist.complete_versions(job_dir)
+    assert done and done[-1] in (8, 9), (done, sorted(p.name for p in job_dir.iterdir()))
+    persist.check(persist.version_dir(job_dir, done[-1]), list(range(WORLD)))
+
+    torchrun(out, env)  # on new machines: from the disk, and to the end
+    got = restored(tmp_path, job)
+    assert sorted(e["rank"] for e in got) == list(range(WORLD)) and {e["version"] for e in got} == {done[-1]}, got
+    assert all(e["source"].startswith("persisted ") for e in got), got
+    assert compare_runs(out, reference, WORLD) == []
+
 def shard_path(vdir: Path, rank: int, spec: int) -> str:
     """The state path of a rank's tensor ``spec`` (its manifest's name)."""
     from ffstate.layout import Manifest
