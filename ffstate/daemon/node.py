@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import logging
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from ffstate.config import DaemonConfig
 from ffstate.daemon.drain import Drainer
 from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
+from ffstate.daemon.shard import GONE as _GONE
 from ffstate.daemon.shard import LocalShard, copy_verified
 from ffstate.daemon.store import IncomingChunk, Store
 from ffstate.daemon.watchdog import Watchdog
@@ -41,7 +41,6 @@ log = logging.getLogger("ffstate.daemon")
 # A manifest's JSON (7,700 tensors take about 1 MB); within the servicer's message cap, so that this is the
 # limit a client meets, with its message, rather than gRPC's.
 MAX_MANIFEST_BYTES = 16 << 20
-_GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while we looked
 
 
 def default_memory_limit() -> int:

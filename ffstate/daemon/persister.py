@@ -28,8 +28,8 @@ import torch
 
 from ffstate import persist
 from ffstate.daemon.flusher import Copy, Flusher
-from ffstate.daemon.shard import copy_verified
-from ffstate.errors import ReplicaError
+from ffstate.daemon.shard import GONE, copy_verified
+from ffstate.errors import ReplicaError, SlotError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
 from ffstate.reports import NO_FLUSHER
@@ -156,15 +156,26 @@ class Persister:
     def final(self, shards: list, wait: float = FINAL_WAIT, every_committed: bool = False) -> list[str]:
         """The job ended: the last committed version of each of its local ``shards`` (``LocalShard``) is flushed
         whatever its step (unless it was already), and the flushes waited for, at most ``wait`` seconds. With
-        ``every_committed``, each version their slots hold committed (the newest two): when a job is stopped by a
-        signal to every process its ranks stop up to a step apart, and only the older may be every rank's.
-        Returns what happened, a line per rank and version (for the daemon's log)."""
+        ``every_committed``, each version their slots hold committed (the newest two), the older first: a
+        synchronous job stopped by a signal to every process stops with its ranks up to a step apart, and the
+        newest version every rank reached is in each rank's slots (commits on the CPU: a GPU's staged commit is
+        published a step late, and its ranks may share none). Returns what happened, a line per rank and version
+        (for the daemon's log)."""
         said = []
-        for shard in shards:
-            for want in [v for v, _ in shard.slots.committed()] if every_committed else [0]:
+        if every_committed:  # the older versions first (likelier every rank's), of jobs at one world size
+            shards = _one_world(shards, said)
+            todo = sorted((v, i) for i, s in enumerate(shards) for v in _committed(s))
+        else:
+            todo = [(0, i) for i in range(len(shards))]
+        for want, i in todo:
+            shard = shards[i]
+            try:
                 got = copy_verified(shard.slots, want)
-                if got is not None:
-                    said.append(self._final_copy(shard, *got))
+            except (SlotError, *GONE) as e:  # torn, or rewritten all along; or dropped meanwhile
+                said.append(f"{shard.key}: version {want or 'newest'} cannot be read: {e}")
+                continue
+            if got is not None:
+                said.append(self._final_copy(shard, *got))
         deadline = time.monotonic() + wait
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -175,17 +186,31 @@ class Persister:
     def _final_copy(self, shard, version: int, snap) -> str:
         key, keys = shard.key, shard.persist_keys
         manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
+        claim = (key.job_id, key.rank, key.world_size, version)
+        if (persist.version_dir(self.root / key.job_id, version) / persist.COMPLETE).exists():  # never rewritten
+            return f"{key}: version {version} is complete on disk already"
         with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
-            if (key.job_id, key.rank, key.world_size, version) in self._queued:
+            if claim in self._queued:
                 return f"{key}: version {version} was flushed already"
+            self._queued[claim] = True  # claimed now: a job's end and the daemon's stop never both write it
             self._decided[(key.job_id, version)] = True
         try:
             self.reserve(data.numel(), f"the copy of {key}'s version {version} for the persistent tier")
+        except ReplicaError as e:
+            self._unclaim(claim)
+            return f"{key}: version {version} cannot be flushed: {e}"
+        try:
             copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
-        except (ReplicaError, OSError) as e:
+        except OSError as e:
+            self.release(data.numel())
+            self._unclaim(claim)
             return f"{key}: version {version} cannot be flushed: {e}"
         self._queue_copy(key, version, copy, checksum)
         return f"{key}: version {version} flushed"
+
+    def _unclaim(self, claim: tuple) -> None:
+        with self._lock:
+            self._queued.pop(claim, None)
 
     def _decide(self, job: str, version: int) -> bool:
         """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version
@@ -285,3 +310,24 @@ class Persister:
         if now - self._logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
             self._logged[kind] = now
             log.error("%s (training goes on; such failures logged at most every %.0fs)", message, ERROR_LOG_EVERY)
+
+
+def _one_world(shards: list, said: list[str]) -> list:
+    """The shards of the jobs whose attached ranks share one world size: a job caught in a resize (its old world's
+    slots still attached beside the new one's) is not written as the daemon stops (the two worlds' ranks would
+    write the same files of a version's folder)."""
+    worlds: dict[str, set[int]] = collections.defaultdict(set)
+    for s in shards:
+        worlds[s.key.job_id].add(s.key.world_size)
+    for job, sizes in worlds.items():
+        if len(sizes) > 1:
+            said.append(f"job {job}: not written, its ranks are attached at world sizes {sorted(sizes)} (a resize)")
+    return [s for s in shards if len(worlds[s.key.job_id]) == 1]
+
+
+def _committed(shard) -> list[int]:
+    try:
+        return [v for v, _ in shard.slots.committed()]
+    except GONE:  # dropped meanwhile
+        return []
+

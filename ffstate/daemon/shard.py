@@ -6,6 +6,7 @@ back (docs/design.md I3). The replicator (``replicator.py``) runs the loop over 
 from __future__ import annotations
 
 import logging
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -142,6 +143,9 @@ class LocalShard:
             if before == version:
                 break
         return snap
+
+
+GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while it was read
 
 
 def copy_verified(slots: Slots, version: int = 0) -> tuple[int, Snapshot] | None:
