@@ -4,8 +4,10 @@ example resumes at another world size as written."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -30,16 +32,41 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
     assert broken == [], broken
 
 
-def test_the_elastic_page_s_example_resumes_at_another_world_size(tmp_path):
+def test_the_elastic_page_s_example_resumes_at_another_world_size(tmp_path, monkeypatch):
     """docs/elastic.md's loop, as written: 2 ranks (2 simulated nodes), rank 1 SIGKILLed after step 12; relaunched
     at 1 rank, it resumes resharded from node 0's slots and its replica of rank 1, with the data position of the
-    job (an ElasticSampler), and runs to the end."""
+    job (an ElasticSampler), and runs to the end. Node 1's daemon, left out of the smaller job, would wait out its
+    idle time (600 s) after the test: it is stopped."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the job's run folder is (its TMPDIR)
+    job = f"doc{uuid.uuid4().hex[:6]}"
+    try:
+        _elastic_example(tmp_path, job)
+    finally:
+        _stop_daemons(job)
+
+
+def _stop_daemons(job: str) -> None:
+    from ffstate.daemon.launch import daemon_pidfds, ended
+
+    fds = daemon_pidfds(job)
+    for fd in fds.values():
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(ended(fd) for fd in fds.values()):
+        time.sleep(0.1)
+    for fd in fds.values():
+        os.close(fd)
+
+
+def _elastic_example(tmp_path: Path, job: str) -> None:
     text = (ROOT / "docs" / "elastic.md").read_text()
     section = text[text.index("### An elastic-ready data position"):]
     (tmp_path / "train.py").write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
     (tmp_path / "kill.py").write_text(KILL_WRAPPER)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "KILL_AT": "12",
-           "KILL_MARKER": str(tmp_path / "killed"), "FFSTATE_JOB_ID": f"doc{uuid.uuid4().hex[:6]}",
+           "KILL_MARKER": str(tmp_path / "killed"), "FFSTATE_JOB_ID": job,
            "FFSTATE_BASE_PORT": str(free_ports(2)), "TMPDIR": str(tmp_path)}
     for world in (2, 1):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
