@@ -28,7 +28,6 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import time
 from pathlib import Path
 
 from ffstate.bench._report import environment, free_ports, publish, pyplot, table
+from ffstate.daemon.launch import stop_daemons
 from ffstate.demo.faults import HANG_PHASES, PHASES
 from ffstate.testing.bitwise import compare_runs
 
@@ -144,25 +144,6 @@ def _jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _leftover_daemons(job: str, wait: float = 15.0) -> list[int]:
-    """Daemons of ``job`` still alive ``wait`` seconds after the job (SIGTERMed, then reported); through pidfds
-    (``daemon_pidfds``: a pid file a killed daemon left may name another process by now)."""
-    from ffstate.daemon.launch import daemon_pidfds, ended
-
-    fds = daemon_pidfds(job)
-    try:
-        give_up = time.monotonic() + wait
-        while time.monotonic() < give_up and not all(ended(fd) for fd in fds.values()):
-            time.sleep(0.2)
-        alive = [pid for pid, fd in fds.items() if not ended(fd)]
-        for pid in alive:
-            signal.pidfd_send_signal(fds[pid], signal.SIGTERM)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return alive
-
-
 def failure_rows(schedule: list[dict], notes: list[dict], progress: list[dict], events: list[dict]) -> list[dict]:
     """One row per scheduled failure: when it hit, v*, steps lost, the downtime (kill -> next commit), and the
     longest stall (the longest time between two consecutive steps from the kill to the next failure: for a daemon
@@ -251,7 +232,7 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
         wall = _torchrun(failing, steps, ["--chaos", str(work / "schedule.json"), *worker], env,
                          work / "with-failures.log", restarts, timeout, world)
     finally:
-        left = _leftover_daemons(job)
+        left = stop_daemons(job, wait=0.0, grace=15.0)  # still alive 15 s after the job: SIGTERMed, reported
         sampler.stopped.set()
         sampler.join()
         for kept in [*run_dir.glob("daemon-*.log"), *run_dir.glob("stacks-rank*.txt"), run_dir / "events.jsonl"]:

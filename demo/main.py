@@ -17,7 +17,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ffstate.daemon.launch import stop_daemons
 from ffstate.testing.bitwise import compare_runs
 
 
@@ -60,28 +60,6 @@ def checkpoint_baseline(state_file: Path, repeats: int = 3) -> tuple[float, floa
     return sorted(saves)[repeats // 2], sorted(loads)[repeats // 2], size
 
 
-def leftover_daemons(job: str, wait: float = 45.0) -> list[int]:
-    """Stops the daemons of the demo's job still alive (none after a finished run; both after a Ctrl-C) and returns
-    their pids: SIGTERM, up to ``wait`` seconds for their clean stop (shared memory removed, logs complete; a
-    daemon allows a flush to the persistent tier 40 s), then SIGKILL; through pidfds (``daemon_pidfds``)."""
-    from ffstate.daemon.launch import daemon_pidfds, ended
-
-    fds = daemon_pidfds(job)
-    try:
-        for fd in fds.values():
-            signal.pidfd_send_signal(fd, signal.SIGTERM)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not all(ended(fd) for fd in fds.values()):
-            time.sleep(0.1)
-        for fd in fds.values():
-            if not ended(fd):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return list(fds)
-
-
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -107,7 +85,8 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"run with failures finished in {t_fail:.1f}s; now the reference run, without failures")
         t_ref = torchrun(reference, args.steps, ["--no-ffstate"], env, out / "reference.log", args.timeout)
     finally:
-        left = leftover_daemons(job)
+        # none after a finished run, both after a Ctrl-C: a clean stop (a daemon allows a flush 40 s), then SIGKILL
+        left = stop_daemons(job, wait=45.0, kill=True)
         for kept in [*run_dir.glob("daemon-*.log"), run_dir / "events.jsonl"]:  # the daemons' logs stay with the demo's
             if kept.exists():
                 shutil.copy(kept, failing / kept.name)

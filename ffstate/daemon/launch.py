@@ -8,6 +8,8 @@ import contextlib
 import fcntl
 import logging
 import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -310,9 +312,33 @@ def daemon_pidfds(job: str) -> dict[int, int]:
 
 def ended(pidfd: int) -> bool:
     """Whether the process of ``pidfd`` has ended (a pidfd turns readable then)."""
-    import select
-
     return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def stop_daemons(job: str, wait: float, grace: float = 0.0, kill: bool = False) -> list[int]:
+    """Stops the daemons workers started for ``job`` on this machine that are still alive after ``grace`` seconds
+    (time to exit on their own, at the job's end): SIGTERM, up to ``wait`` seconds for their clean stop, then, with
+    ``kill``, SIGKILL; through ``daemon_pidfds``. Returns the pids it signalled."""
+    fds = daemon_pidfds(job)
+
+    def wait_ended(pids: list[int], seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not all(ended(fds[p]) for p in pids):
+            time.sleep(0.1)
+
+    try:
+        wait_ended(list(fds), grace)
+        alive = [pid for pid, fd in fds.items() if not ended(fd)]
+        for pid in alive:
+            signal.pidfd_send_signal(fds[pid], signal.SIGTERM)
+        wait_ended(alive, wait)
+        for pid in alive:
+            if kill and not ended(fds[pid]):
+                signal.pidfd_send_signal(fds[pid], signal.SIGKILL)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return alive
 
 
 @contextlib.contextmanager

@@ -4,15 +4,14 @@ example resumes at another world size as written."""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from ffstate import Config
 from ffstate.bench._report import free_ports
+from ffstate.daemon.launch import stop_daemons
 from helpers import KILL_WRAPPER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,20 +43,7 @@ def test_the_elastic_page_s_example_resumes_at_another_world_size(tmp_path, monk
     try:
         _elastic_example(tmp_path, job)
     finally:
-        _stop_daemons(job)
-
-
-def _stop_daemons(job: str) -> None:
-    from ffstate.daemon.launch import daemon_pidfds, ended
-
-    fds = daemon_pidfds(job)
-    for fd in fds.values():
-        signal.pidfd_send_signal(fd, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(ended(fd) for fd in fds.values()):
-        time.sleep(0.1)
-    for fd in fds.values():
-        os.close(fd)
+        stop_daemons(job, wait=30.0)
 
 
 def _elastic_example(tmp_path: Path, job: str) -> None:
