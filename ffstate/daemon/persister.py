@@ -26,9 +26,9 @@ from typing import Callable
 
 import torch
 
-from ffstate import persist
+from ffstate import codec, persist
 from ffstate.daemon.flusher import Copy, Flusher
-from ffstate.daemon.shard import GONE, copy_verified
+from ffstate.daemon.shard import GONE
 from ffstate.errors import ReplicaError, SlotError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
@@ -168,14 +168,8 @@ class Persister:
         else:
             todo = [(0, i) for i in range(len(shards))]
         for want, i in todo:
-            shard = shards[i]
-            try:
-                got = copy_verified(shard.slots, want)
-            except (SlotError, *GONE) as e:  # torn, or rewritten all along; or dropped meanwhile
-                said.append(f"{shard.key}: version {want or 'newest'} cannot be read: {e}")
-                continue
-            if got is not None:
-                said.append(self._final_copy(shard, *got))
+            if line := self._final_copy(shards[i], want):
+                said.append(line)
         deadline = time.monotonic() + wait
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -183,34 +177,62 @@ class Persister:
             said.append(f"not all written within {wait:.0f}s")
         return said
 
-    def _final_copy(self, shard, version: int, snap) -> str:
-        key, keys = shard.key, shard.persist_keys
-        manifest, data, checksum = snap.manifest, snap.buffer, snap.checksum
-        claim = (key.job_id, key.rank, key.world_size, version)
+    def _final_copy(self, shard, want: int) -> str:
+        """Queues version ``want`` (0: the newest) of a local ``shard`` for writing, unless it is complete on disk or
+        queued already: read from its slot straight into the copy the flushing process writes, whose bytes are
+        counted against the memory budget before any is read (no private copy in between). Returns what happened
+        ("" when the slots hold no committed version)."""
+        key, what = shard.key, f"version {want or 'newest'}"
+        if want and (done := self._flushed_already(key, want)):
+            return done
+        nbytes = shard.slots.manifest.nbytes
+        try:
+            self.reserve(nbytes, f"the copy of {key}'s {what} for the persistent tier")
+        except ReplicaError as e:
+            return f"{key}: {what} cannot be flushed: {e}"
+        made: list[Copy] = []  # one per try (a try the worker's rewrite spoilt is read again)
+
+        def take(view) -> tuple[Copy, int]:
+            manifest = shard.slots.manifest.with_scalars(view.scalars)
+            made.append(Copy(view.data, {"manifest": manifest.to_json().decode(), "keys": shard.persist_keys or {}}))
+            return made[-1], codec.buffer_checksum(view.data)
+
+        try:
+            got = shard.slots.read(want, take)
+        except (SlotError, OSError, *GONE) as e:  # torn, rewritten all along, dropped meanwhile; or no memory
+            got, line = None, f"{key}: {what} cannot be read: {type(e).__name__}: {e}"
+        else:
+            line = ""
+        kept = got[1] if got is not None else None
+        for c in made:
+            if c is not kept:
+                c.close()
+        if got is None:
+            self.release(nbytes)
+            return line
+        view, copy = got
+        claim = (key.job_id, key.rank, key.world_size, view.version)
+        done = self._flushed_already(key, view.version)
+        with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
+            if not done and claim in self._queued:
+                done = f"{key}: version {view.version} was flushed already"
+            if not done:  # claimed: a job's end and the daemon's stop never both write it
+                self._queued[claim] = True
+                self._decided[(key.job_id, view.version)] = True
+        if done:
+            copy.close()
+            self.release(nbytes)
+            return done
+        self._queue_copy(key, view.version, copy, view.checksum)
+        return f"{key}: version {view.version} flushed"
+
+    def _flushed_already(self, key: ShardKey, version: int) -> str:
         if (persist.version_dir(self.root / key.job_id, version) / persist.COMPLETE).exists():  # never rewritten
             return f"{key}: version {version} is complete on disk already"
-        with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
-            if claim in self._queued:
-                return f"{key}: version {version} was flushed already"
-            self._queued[claim] = True  # claimed now: a job's end and the daemon's stop never both write it
-            self._decided[(key.job_id, version)] = True
-        try:
-            self.reserve(data.numel(), f"the copy of {key}'s version {version} for the persistent tier")
-        except ReplicaError as e:
-            self._unclaim(claim)
-            return f"{key}: version {version} cannot be flushed: {e}"
-        try:
-            copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
-        except OSError as e:
-            self.release(data.numel())
-            self._unclaim(claim)
-            return f"{key}: version {version} cannot be flushed: {e}"
-        self._queue_copy(key, version, copy, checksum)
-        return f"{key}: version {version} flushed"
-
-    def _unclaim(self, claim: tuple) -> None:
         with self._lock:
-            self._queued.pop(claim, None)
+            if (key.job_id, key.rank, key.world_size, version) in self._queued:
+                return f"{key}: version {version} was flushed already"
+        return ""
 
     def _decide(self, job: str, version: int) -> bool:
         """Flush or skip ``version`` of ``job``: decided once for all the node's ranks (skipped when another version

@@ -2,6 +2,7 @@
 real slots in shared memory, a real flushing process, the versions read back from disk bit for bit."""
 
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import torch
 from ffstate import layout, persist, shm
 from ffstate.commit import SlotWriter
 from ffstate.daemon.persister import Persister, _one_world
+from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
 from helpers import assert_bitwise_equal
 
@@ -42,8 +44,26 @@ def rank_slots(tmp_path, monkeypatch):
         daemon.close()
 
 
-def persister(root) -> Persister:
-    p = Persister(root, every=100, keep=5, reserve=lambda n, what: None, release=lambda n: None, node_id="n0", nice=0)
+class Budget:
+    """A daemon's memory budget as the persister sees it (``Store.reserve``/``release``): refuses past ``room``."""
+
+    def __init__(self, room: int):
+        self.room, self.used, self.peak = room, 0, 0
+
+    def reserve(self, n: int, what: str) -> None:
+        if self.used + n > self.room:
+            raise ReplicaError(f"no room for {what}: {n} bytes, {self.room - self.used} free", "RESOURCE_EXHAUSTED")
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0
+
+
+def persister(root, budget: Budget | None = None) -> Persister:
+    budget = budget or Budget(1 << 40)
+    p = Persister(root, every=100, keep=5, reserve=budget.reserve, release=budget.release, node_id="n0", nice=0)
     deadline = time.monotonic() + 90
     while not p._flusher.ready and time.monotonic() < deadline:  # it imports torch and DCP
         time.sleep(0.05)
@@ -79,3 +99,51 @@ def test_a_job_attached_at_two_world_sizes_is_not_written_at_a_stop():
     said: list[str] = []
     assert _one_world([old, new, other], said) == [other]
     assert said == ["job j: not written, its ranks are attached at world sizes [2, 3] (a resize)"]
+
+
+def flush_memfds() -> int:
+    """The persister's in-memory copies open in this process (``flusher.Copy``: memfds named ffstate-flush)."""
+    fds = "/proc/self/fd"
+    return sum(os.readlink(f"{fds}/{fd}").startswith("/memfd:ffstate-flush") for fd in os.listdir(fds)
+               if os.path.exists(f"{fds}/{fd}"))
+
+
+def test_a_stop_counts_each_copy_against_the_budget_before_it_reads_a_byte_and_leaks_none(rank_slots, tmp_path,
+                                                                                           monkeypatch):
+    """Each version is read from its slot straight into the copy the flushing process writes, reserved first: the
+    budget holds every byte read (it once held only the second of two copies). A read the worker's rewrite spoilt is
+    read again and its copy closed."""
+    shard, got = rank_slots
+    budget, seen = Budget(1 << 40), []
+    read, unchanged = shard.slots.read, shard.slots.unchanged
+
+    def counted_read(version, take):
+        seen.append(budget.used)
+        return read(version, take)
+
+    spoilt = iter([False])  # the first try of the first version: as if the worker had started rewriting the slot
+    monkeypatch.setattr(shard.slots, "read", counted_read)
+    monkeypatch.setattr(shard.slots, "unchanged", lambda view: next(spoilt, True) and unchanged(view))
+    before = flush_memfds()
+    persister(tmp_path / "store", budget).close([shard])
+    nbytes = shard.slots.manifest.nbytes
+    # each version's bytes counted before its read (the older one's copy may still be queued for writing)
+    assert len(seen) == 2 and nbytes <= seen[0] and nbytes <= seen[1] <= 2 * nbytes, seen
+    assert budget.used == 0 and budget.peak <= 2 * nbytes
+    assert flush_memfds() == before  # the spoilt try's copy closed, and the written ones
+    job_dir = tmp_path / "store" / "j"
+    assert persist.complete_versions(job_dir) == [2, 3]
+    for v in (2, 3):
+        assert_bitwise_equal(persist.read_shard(persist.version_dir(job_dir, v), 0)[0], got[v - 1])
+
+
+def test_a_stop_without_room_in_the_budget_reads_nothing_and_says_so(rank_slots, tmp_path, monkeypatch, caplog):
+    shard, _ = rank_slots
+    budget = Budget(shard.slots.manifest.nbytes - 1)
+    monkeypatch.setattr(shard.slots, "read", lambda *a: pytest.fail("read a slot with no room for its copy"))
+    with caplog.at_level(logging.INFO, logger="ffstate.daemon.persist"):
+        persister(tmp_path / "store", budget).close([shard])
+    assert budget.used == 0 and budget.peak == 0
+    for v in (2, 3):
+        assert f"j/rank 0 of 1: version {v} cannot be flushed: no room for the copy of" in caplog.text, caplog.text
+    assert persist.complete_versions(tmp_path / "store" / "j") == []
