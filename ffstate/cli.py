@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from ffstate.config import DaemonConfig, parse_bytes
 
@@ -72,7 +74,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     os._exit(code)
 
 
-def build_parser() -> argparse.ArgumentParser:
+BENCHMARKS = {  # ffstate bench NAME: the module of ffstate.bench that runs it, and its help line
+    "codec": "encode and decode vs a plain copy, and the compression, on fp32 and bf16 AdamW state",
+    "bandwidth": "gRPC push/fetch over a chunk-size sweep vs raw TCP and gloo",
+    "capture": "commit hold time vs a copy; local and remote restore vs copy and transport",
+    "overhead": "step time and bytes replicated per step: ffstate off, on, razor off/on",
+    "recovery": "ffstate vs torch.save and DCP: equal protection, equal overhead",
+    "simulate": "scale by simulation: replication in the idle link time of 7B and 70B jobs",
+    "chaos": "one job under a seeded schedule of many failures: steps lost, downtime, memory",
+    "downtime": "a rank's loss under torchrun and with survivors kept in their processes: seconds to the next step, "
+                "and where they go",
+}
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given ``argv``, only the command it names gets its arguments: the demo's and the
+    benchmarks' modules import torch, a second and a half that ``ffstate --help`` or ``status`` need not wait."""
+    words = None if argv is None else [a for a in argv if not a.startswith("-")]
+
+    def wanted(*names: str) -> bool:
+        return words is None or words[:len(names)] == list(names)
+
     parser = argparse.ArgumentParser(prog="ffstate", description="Bit-exact in-memory replication of training state.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,53 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     drain_arguments(p)
     p.set_defaults(run=drain_main)
 
-    from ffstate.demo import main as demo
-
     p = sub.add_parser("demo", help="the main job: torchrun, a killed rank and node, recovery, bit-exact check")
-    demo.add_arguments(p)
-    p.set_defaults(run=demo.main)
+    if wanted("demo"):
+        from ffstate.demo import main as demo
+
+        demo.add_arguments(p)
+        p.set_defaults(run=demo.main)
 
     bench = sub.add_parser("bench", help="benchmarks; each writes JSON and a PNG under bench/results/")
     which = bench.add_subparsers(dest="benchmark", required=True)
-    from ffstate.bench import bandwidth as bandwidth_bench
-    from ffstate.bench import chaos as chaos_bench
-    from ffstate.bench import capture as capture_bench
-    from ffstate.bench import overhead as overhead_bench
-    from ffstate.bench import recovery as recovery_bench
-    from ffstate.bench import simulate as simulate_bench
-    from ffstate.bench import codec as codec_bench
-    from ffstate.bench import downtime as downtime_bench
-
-    p = which.add_parser("codec", help="encode and decode vs a plain copy, and the compression, on fp32 and bf16 AdamW state")
-    codec_bench.add_arguments(p)
-    p.set_defaults(run=codec_bench.main)
-    p = which.add_parser("bandwidth", help="gRPC push/fetch over a chunk-size sweep vs raw TCP and gloo")
-    bandwidth_bench.add_arguments(p)
-    p.set_defaults(run=bandwidth_bench.main)
-    p = which.add_parser("capture", help="commit hold time vs a copy; local and remote restore vs copy and transport")
-    capture_bench.add_arguments(p)
-    p.set_defaults(run=capture_bench.main)
-    p = which.add_parser("overhead", help="step time and bytes replicated per step: ffstate off, on, razor off/on")
-    overhead_bench.add_arguments(p)
-    p.set_defaults(run=overhead_bench.main)
-    p = which.add_parser("recovery", help="ffstate vs torch.save and DCP: equal protection, equal overhead")
-    recovery_bench.add_arguments(p)
-    p.set_defaults(run=recovery_bench.main)
-    p = which.add_parser("simulate", help="scale by simulation: replication in the idle link time of 7B and 70B jobs")
-    simulate_bench.add_arguments(p)
-    p.set_defaults(run=simulate_bench.main)
-    p = which.add_parser("chaos", help="one job under a seeded schedule of many failures: steps lost, downtime, memory")
-    chaos_bench.add_arguments(p)
-    p.set_defaults(run=chaos_bench.main)
-    p = which.add_parser("downtime", help="a rank's loss under torchrun and with survivors kept in their processes: "
-                                          "seconds to the next step, and where they go")
-    downtime_bench.add_arguments(p)
-    p.set_defaults(run=downtime_bench.main)
+    for name, text in BENCHMARKS.items():
+        p = which.add_parser(name, help=text)
+        if wanted("bench", name):
+            module = importlib.import_module(f"ffstate.bench.{name}")
+            module.add_arguments(p)
+            p.set_defaults(run=module.main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -15,17 +15,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
-from ffstate.codec import Chunk, Packed
 from ffstate.errors import ReplicaError, ReplicaUnavailable
-from ffstate.layout import Manifest
 from ffstate.reports import RazorReport
 from ffstate.wire import DEFAULT_MAX_MESSAGE, TOKEN_KEY, shard, with_payload
+
+if TYPE_CHECKING:  # the codec and layouts need torch, which `ffstate status` and `ffstate drain` do not load
+    from ffstate.codec import Chunk, Packed
+    from ffstate.layout import Manifest
 
 log = logging.getLogger("ffstate.client")
 
@@ -245,6 +247,8 @@ class Client:
         req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
                               chunk_step=step, chunks=chunks, checksum=checksum)
 
+        from ffstate.codec import Chunk
+
         def run() -> list[tuple[int, Chunk]]:
             got = []
             for raw in self._fetch(req, **self._kw(self.timeout * 10)):
@@ -263,6 +267,8 @@ class Client:
         got = self.fetch_chunks(job_id, rank, world_size, version)
         if not got:
             raise ReplicaError(f"fetch from {self.address} returned no chunk", "DATA_LOSS")
+        from ffstate.codec import Packed
+
         return Packed([c for _, c in got])
 
     def inventory(self, job_id: str = "") -> pb.InventoryResponse:
@@ -290,6 +296,8 @@ def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size:
     """Fetches one version from several holders in parallel (``stream_striped``), as one Packed."""
     got: dict[int, Chunk] = {}
     stream_striped(clients, job_id, rank, world_size, version, lambda c: got.setdefault(c.index, c))
+    from ffstate.codec import Packed
+
     return Packed([got[i] for i in sorted(got)])
 
 

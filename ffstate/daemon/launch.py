@@ -16,14 +16,16 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ffstate import placement
 from ffstate.client import Client
 from ffstate.config import Config, DaemonConfig, parse_bytes, priority
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.job import Job
 from ffstate.reports import NO_FLUSHER
+
+if TYPE_CHECKING:  # the job needs torch, which `ffstate status` (local_daemons) does not load
+    from ffstate.job import Job
 
 log = logging.getLogger("ffstate.launch")
 FLUSHER_WAIT = 60.0  # seconds a node's first rank waits, at entry, for its daemon's flushing process to be ready

@@ -7,7 +7,19 @@ everything else by a rule (``rules``). ``data.ElasticSampler`` keeps one global 
 ``drain`` asks a node's daemon to drain it (``ffstate drain``; the daemon's side is ``daemon/drain.py``).
 """
 
-from ffstate.elastic.data import ElasticSampler
+from typing import TYPE_CHECKING, Any
+
 from ffstate.elastic.drain import cancel_drain, drain
 
+if TYPE_CHECKING:
+    from ffstate.elastic.data import ElasticSampler
+
 __all__ = ["ElasticSampler", "cancel_drain", "drain"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ElasticSampler":  # loaded on first use: the command line reads drain's arguments without torch
+        from ffstate.elastic.data import ElasticSampler
+
+        return ElasticSampler
+    raise AttributeError(f"module 'ffstate.elastic' has no attribute {name!r}")

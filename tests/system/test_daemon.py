@@ -355,6 +355,22 @@ def test_status_prints_the_replica_table(shared_pair, tmp_path):
     assert a.node_id in out.stdout and b.node_id in out.stdout
 
 
+def test_the_command_line_answers_help_and_status_without_loading_torch(shared_pair, tmp_path):
+    """torch takes a second and a half to import here: an operator's `ffstate status` (or --help) need not wait."""
+    a, _ = shared_pair
+    run_writer(a, "j6b", 2, tmp_path)
+    script = ("import sys\nfrom ffstate import cli\ntry:\n    code = cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+              "    code = e.code\nprint('torch loaded' if 'torch' in sys.modules else f'no torch, exit {code}')")
+    said = {}
+    for args in (["--help"], ["status", "--daemon", a.address], ["bench", "--help"], ["drain", "--help"]):
+        out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "200"})
+        assert out.stdout.rstrip().endswith("no torch, exit 0"), (args, out.stdout[-1000:], out.stderr[-2000:])
+        said[args[0]] = out.stdout
+    assert "j6b" in said["status"] and "local" in said["status"], said["status"]
+    assert "downtime" in said["bench"] and "--stay" in said["drain"], said
+
+
 def test_striped_fetch_from_two_holders(daemons, tmp_path):
     b, c = daemons.start(), daemons.start()
     a = daemons.start("--peer", b.address, "--peer", c.address)
