@@ -205,7 +205,7 @@ def main() -> None:
     ckpt_group = dist.new_group(backend="gloo") if "async-save" in modes else None  # the saves' own collectives
     results: dict[str, dict] = {m: {"step_seconds": [], "wire_bytes": 0, "wire_versions": 0, "lag_at_end": [],
                                     "drain_seconds": [], "collectives": 0, "collisions": 0, "overlap_seconds": 0.0,
-                                    "commit_seconds": [], "part_seconds": [], "steps_run": 0}
+                                    "commit_seconds": [], "commit_cpu_seconds": [], "part_seconds": [], "steps_run": 0}
                for m in modes}
     for r in range(a.repeats):
         for mode in phase_order(modes, r):
@@ -250,9 +250,10 @@ def main() -> None:
                         cpu = -_daemons_cpu(scheduler)
                     start = time.perf_counter()
                     parts = train_step()
-                    trained = time.perf_counter()
+                    trained, cpu_before = time.perf_counter(), time.thread_time()
                     ff.commit(i + 1)
                     if i >= FIRST_TIMED:
+                        res["commit_cpu_seconds"].append(time.thread_time() - cpu_before)  # its own CPU, no waits
                         res["step_seconds"].append(time.perf_counter() - start)
                         res["commit_seconds"].append(time.perf_counter() - trained)
                         res["part_seconds"].append(parts)

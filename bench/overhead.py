@@ -29,7 +29,8 @@ the modes run in interleaved phases of the same training (``bench/_overhead_work
 Reported per job and mode: the median step time (the slowest rank's) and its ratio to ``off``, pooled
 over phases and paired (each phase against the ``off`` phase of its repeat, median over repeats); the
 bytes each rank replicates per step (on the wire: deltas after compaction) and the raw size of what
-it replicates; the time ``ff.commit`` held the loop, and the forward's, backward's and optimizer step's (where the
+it replicates; the time ``ff.commit`` held the loop (and, in brackets, its own thread's CPU: where ranks share
+a core, a commit's wall time also counts the other ranks' turns), and the forward's, backward's and optimizer step's (where the
 collectives and their collisions show); the training's collectives that started while a
 replication chunk was on the wire and the seconds chunks shared the link with collectives (counted by
 the daemons from the workers' marks: what the pacing is for, without a noisy step time); and both
@@ -184,6 +185,8 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
             row["replicated_bytes_per_rank"] = statistics.median(p["shard_bytes"] for p in per_rank)
             if all(p.get("commit_seconds") for p in per_rank):  # the part of the step ffstate holds the loop
                 row["commit_seconds"] = statistics.median(max(cs) for cs in zip(*(p["commit_seconds"] for p in per_rank)))
+            if all(p.get("commit_cpu_seconds") for p in per_rank):  # the commit's own CPU (ranks sharing cores wait)
+                row["commit_cpu_seconds"] = statistics.median(c for p in per_rank for c in p["commit_cpu_seconds"])
             row["state_bytes_per_rank"] = statistics.median(p["state_bytes"] for p in per_rank)
             # The slowest rank's lag when a phase's last step was committed, median over phases (none without replicas).
             if MODES[mode][2] and all(p.get("lag_at_end") for p in per_rank):
@@ -253,7 +256,8 @@ def report(result: dict) -> str:
                          f"{row['step_ratio']:.3f}" if row.get("step_ratio") else "-",
                          f"{row['step_ratio_paired']:.3f}" if row.get("step_ratio_paired") else "-",
                          " / ".join(f"{s * 1e3:.1f}" for s in row["part_seconds"]) if "part_seconds" in row else "-",
-                         f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-",
+                         (f"{row['commit_seconds'] * 1e3:.1f}" if "commit_seconds" in row else "-")
+                         + (f" ({row['commit_cpu_seconds'] * 1e3:.2f})" if "commit_cpu_seconds" in row else ""),
                          f"{train / 1e6:.3f}" if train else "-",
                          f"{wire / 1e6:.3f}" if wire else "-",
                          f"{wire / full:.2f}" if wire and full else "-",
@@ -274,7 +278,7 @@ def report(result: dict) -> str:
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; gradient compression: "
             f"{cfg.get('hook', 'none')}; medians")
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired",
-                                             "fwd / bwd / opt ms", "commit ms", "training all-reduce MB/step/rank",
+                                             "fwd / bwd / opt ms", "commit ms (its CPU)", "training all-reduce MB/step/rank",
                                              "replication wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
