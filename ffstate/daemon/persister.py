@@ -182,34 +182,39 @@ class Persister:
         queued already: read from its slot straight into the copy the flushing process writes, whose bytes are
         counted against the memory budget before any is read (no private copy in between). Returns what happened
         ("" when the slots hold no committed version)."""
-        key, what = shard.key, f"version {want or 'newest'}"
-        if want and (done := self._flushed_already(key, want)):
+        key = shard.key
+        if not want:  # the newest, named first: one written or queued already is said so, and not copied again
+            committed = _committed(shard)
+            if not committed:
+                return ""
+            want = committed[0]
+        if done := self._flushed_already(key, want):
             return done
         nbytes = shard.slots.manifest.nbytes
         try:
-            self.reserve(nbytes, f"the copy of {key}'s {what} for the persistent tier")
+            self.reserve(nbytes, f"the copy of {key}'s version {want} for the persistent tier")
         except ReplicaError as e:
-            return f"{key}: {what} cannot be flushed: {e}"
-        made: list[Copy] = []  # one per try (a try the worker's rewrite spoilt is read again)
+            return f"{key}: version {want} cannot be flushed: {e}"
+        made: list[Copy] = []  # the try in hand (one the worker's rewrite spoilt is closed before the next)
 
         def take(view) -> tuple[Copy, int]:
+            while made:
+                made.pop().close()
             manifest = shard.slots.manifest.with_scalars(view.scalars)
             made.append(Copy(view.data, {"manifest": manifest.to_json().decode(), "keys": shard.persist_keys or {}}))
             return made[-1], codec.buffer_checksum(view.data)
 
         try:
             got = shard.slots.read(want, take)
-        except (SlotError, OSError, *GONE) as e:  # torn, rewritten all along, dropped meanwhile; or no memory
-            got, line = None, f"{key}: {what} cannot be read: {type(e).__name__}: {e}"
-        else:
-            line = ""
-        kept = got[1] if got is not None else None
-        for c in made:
-            if c is not kept:
+            if got is None:
+                raise SlotError("no longer in the slots (the worker committed past it)")
+        except BaseException as e:
+            for c in made:
                 c.close()
-        if got is None:
             self.release(nbytes)
-            return line
+            if isinstance(e, (SlotError, OSError, *GONE)):  # torn, rewritten all along, dropped meanwhile; no memory
+                return f"{key}: version {want} cannot be read: {type(e).__name__}: {e}"
+            raise
         view, copy = got
         claim = (key.job_id, key.rank, key.world_size, view.version)
         done = self._flushed_already(key, view.version)

@@ -11,6 +11,7 @@ import torch
 
 from ffstate import layout, persist, shm
 from ffstate.commit import SlotWriter
+from ffstate.daemon import persister as persister_module
 from ffstate.daemon.persister import Persister, _one_world
 from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
@@ -121,11 +122,18 @@ def test_a_stop_counts_each_copy_against_the_budget_before_it_reads_a_byte_and_l
         seen.append(budget.used)
         return read(version, take)
 
-    spoilt = iter([False])  # the first try of the first version: as if the worker had started rewriting the slot
-    monkeypatch.setattr(shard.slots, "read", counted_read)
-    monkeypatch.setattr(shard.slots, "unchanged", lambda view: next(spoilt, True) and unchanged(view))
     before = flush_memfds()
+    spoilt, open_then = iter([False] * 3), []  # the first version's first 3 tries: as if the worker rewrote the slot
+
+    def checked(view) -> bool:
+        if (first := next(spoilt, None)) is not None:
+            open_then.append(flush_memfds() - before)
+        return first if first is not None else unchanged(view)
+
+    monkeypatch.setattr(shard.slots, "read", counted_read)
+    monkeypatch.setattr(shard.slots, "unchanged", checked)
     persister(tmp_path / "store", budget).close([shard])
+    assert open_then == [1, 1, 1]  # a spoilt try's copy closed before the next is made: one copy, the one counted
     nbytes = shard.slots.manifest.nbytes
     # each version's bytes counted before its read (the older one's copy may still be queued for writing)
     assert len(seen) == 2 and nbytes <= seen[0] and nbytes <= seen[1] <= 2 * nbytes, seen
@@ -147,3 +155,41 @@ def test_a_stop_without_room_in_the_budget_reads_nothing_and_says_so(rank_slots,
     for v in (2, 3):
         assert f"j/rank 0 of 1: version {v} cannot be flushed: no room for the copy of" in caplog.text, caplog.text
     assert persist.complete_versions(tmp_path / "store" / "j") == []
+
+
+def test_a_job_s_end_names_its_newest_version_before_it_counts_or_copies_anything(rank_slots, tmp_path, monkeypatch):
+    """The job's end (``final`` of the newest version): asked twice, the second says the version was flushed and
+    reserves nothing (a tight budget would otherwise log the last version as not flushed)."""
+    shard, _ = rank_slots
+    budget = Budget(1 << 40)
+    asked = []
+    monkeypatch.setattr(budget, "reserve", lambda n, what, reserve=budget.reserve: (asked.append(what), reserve(n, what)))
+    p = persister(tmp_path / "store", budget)
+    try:
+        assert p.final([shard]) == ["j/rank 0 of 1: version 3 flushed"]
+        again = p.final([shard])
+        assert again in (["j/rank 0 of 1: version 3 was flushed already"],
+                         ["j/rank 0 of 1: version 3 is complete on disk already"]), again
+        assert len(asked) == 1, asked
+    finally:
+        p.close()
+    assert budget.used == 0
+
+
+def test_an_unexpected_error_reading_a_version_gives_back_its_budget_and_its_copy(rank_slots, tmp_path, monkeypatch):
+    shard, _ = rank_slots
+    budget = Budget(1 << 40)
+    p = persister(tmp_path / "store", budget)
+    before = flush_memfds()
+
+    def broken(data):
+        raise RuntimeError("a checksum that failed")
+
+    monkeypatch.setattr(persister_module.codec, "buffer_checksum", broken)
+    try:
+        with pytest.raises(RuntimeError, match="a checksum that failed"):
+            p.final([shard])
+        assert budget.used == 0 and flush_memfds() == before
+    finally:
+        monkeypatch.undo()
+        p.close()
