@@ -126,9 +126,15 @@ class Persister:
             log.info("%s: version %d not flushed: %s is still being written (the disk sets the pace)", key, version,
                      "version %d of job %s" % self._writing[::-1] if self._writing else "an older version")
             return
+        claim = (key.job_id, key.rank, key.world_size, version)
+        with self._lock:  # a daemon stopping under the job (``final``) may have queued this rank's copy already
+            if claim in self._queued:
+                return
+            self._queued[claim] = True
         try:
             self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
         except ReplicaError as e:
+            self._unclaim(claim)
             self.stats.skipped += 1
             self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
             return
@@ -136,15 +142,21 @@ class Persister:
             copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
         except OSError as e:  # no memory for an in-memory file
             self.release(data.numel())
+            self._unclaim(claim)
             self.stats.skipped += 1
             self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
             return
         if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
             copy.close()
             self.release(data.numel())
+            self._unclaim(claim)
             self.stats.skipped += 1
             return
         self._queue_copy(key, version, copy, checksum)
+
+    def _unclaim(self, claim: tuple) -> None:
+        with self._lock:
+            self._queued.pop(claim, None)
 
     def _queue_copy(self, key: ShardKey, version: int, copy: Copy, checksum: int) -> None:
         with self._lock:

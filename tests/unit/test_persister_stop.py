@@ -62,9 +62,9 @@ class Budget:
         assert self.used >= 0
 
 
-def persister(root, budget: Budget | None = None) -> Persister:
+def persister(root, budget: Budget | None = None, every: int = 100) -> Persister:
     budget = budget or Budget(1 << 40)
-    p = Persister(root, every=100, keep=5, reserve=budget.reserve, release=budget.release, node_id="n0", nice=0)
+    p = Persister(root, every=every, keep=5, reserve=budget.reserve, release=budget.release, node_id="n0", nice=0)
     deadline = time.monotonic() + 90
     while not p._flusher.ready and time.monotonic() < deadline:  # it imports torch and DCP
         time.sleep(0.05)
@@ -193,3 +193,22 @@ def test_an_unexpected_error_reading_a_version_gives_back_its_budget_and_its_cop
     finally:
         monkeypatch.undo()
         p.close()
+
+
+def test_a_version_the_stop_queued_is_not_copied_again_when_the_replicator_offers_it(rank_slots, tmp_path,
+                                                                                    monkeypatch):
+    """A daemon stopping under a running job: its ``final`` and the replicator's ``offer`` of the same version (due
+    by ``persist_every``) write that rank's files once."""
+    shard, _ = rank_slots
+    budget = Budget(1 << 40)
+    asked = []
+    monkeypatch.setattr(budget, "reserve", lambda n, what, reserve=budget.reserve: (asked.append(what), reserve(n, what)))
+    p = persister(tmp_path / "store", budget, every=1)
+    try:
+        assert p.final([shard]) == ["j/rank 0 of 1: version 3 flushed"]
+        view, data = shard.slots.read(3, lambda v: (v.data.clone(), 0))
+        p.offer(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data, 0, None, lambda: True)
+        assert len(asked) == 1, asked
+    finally:
+        p.close()
+    assert budget.used == 0
