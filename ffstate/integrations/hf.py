@@ -149,6 +149,9 @@ class ReplicationCallback(TrainerCallback):
         if self.ff is not None and (control.should_evaluate or control.should_save):
             self._pause.enter_context(self.ff.pause())  # not a step: the watchdog must not take it for a hang
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.on_step_end(args, state, control)  # an evaluation or save at the epoch's end (`*_strategy="epoch"`)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._commit(state)
 

@@ -174,7 +174,9 @@ class ReplicationCallback(Callback):
             self._last = step
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        if self.ff is not None and trainer.training:  # not a step: the watchdog must not take it for a hang
+        # Not a step: the watchdog must not take it for a hang. (Within fit, Lightning's stage is VALIDATING here,
+        # not TRAINING: a `trainer.training` test never paused, and a long validation got every rank SIGKILLed.)
+        if self.ff is not None:
             self._pause.enter_context(self.ff.pause())
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -60,3 +61,24 @@ def test_powersgd_registered_through_ffstate_keeps_its_state_and_a_rank_killed_e
         assert_bitwise_equal(got, torch.load(tmp_path / "reference" / f"final-rank{r}.pt", weights_only=False))
     wire = json.loads((tmp_path / "reference" / "wire.json").read_text())
     assert wire["after"] < wire["before"] / 4, wire  # the compression happened
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_an_evaluation_longer_than_the_hang_deadline_is_a_pause_not_a_hang(tmp_path, framework, monkeypatch):
+    """Lightning's validation within fit, the Trainer's evaluation and save at an epoch's end: each lasts 5 s where
+    the watchdog's deadline for a step is at most 3 s, and the run finishes (the daemon SIGKILLed the rank before)."""
+    pytest.importorskip(framework, reason=f"{framework} is not installed (pip install 'ffstate[test]')")
+    from ffstate.daemon import launch
+
+    job = f"ev{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(1)),
+           "FFSTATE_HANG_FLOOR": "1", "FFSTATE_HANG_MULTIPLE": "2", "FFSTATE_HANG_CEILING": "3", "TMPDIR": str(tmp_path),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(PROCS.parent), os.environ.get("PYTHONPATH", "")])}
+    try:
+        got = subprocess.run([sys.executable, str(PROCS / "long_evaluation_job.py"), framework, "5"], capture_output=True,
+                             text=True, env=env, timeout=240)
+    finally:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the job's run folder, where its daemon's pid file is
+        launch.stop_daemons(job, wait=15, kill=True)  # a rank killed leaves its node's daemon waiting for it
+    assert got.returncode == 0 and "finished at step 20" in got.stdout, (got.returncode, got.stdout[-2000:],
+                                                                        got.stderr[-4000:])
