@@ -2,11 +2,11 @@
 little model with dropout, AdamW with a per-step and a per-epoch scheduler, a StatefulDataLoader that Lightning gives
 a DistributedSampler, validation every few batches, DDP over gloo.
 
-    torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/lightning_job.py OUT [--kill-rank R --kill-step S]
+    torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/lightning_job.py OUT [--kill-rank R --kill-step S[,S...]]
         [--no-ffstate]
 
-Rank R SIGKILLs itself once (a marker in OUT) after the optimizer step that makes global step S. At the end each rank
-writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' state, and the loop's counters.
+Rank R SIGKILLs itself once (a marker OUT/killed-S) after the optimizer step that makes global step S, for each S. At
+the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' state, and the loop's counters.
 """
 
 import argparse
@@ -47,19 +47,19 @@ def data(n: int, seed: int) -> torch.utils.data.TensorDataset:
 
 
 class Kill(L.Callback):
-    def __init__(self, out: Path, rank: int, step: int):
-        self.out, self.rank, self.step = out, rank, step
+    def __init__(self, out: Path, rank: int, steps: list[int]):
+        self.out, self.rank, self.steps = out, rank, steps
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            die_once(self.out / "killed")
+        if trainer.global_rank == self.rank and trainer.global_step in self.steps:
+            die_once(self.out / f"killed-{trainer.global_step}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("--kill-rank", type=int, default=-1)
-    p.add_argument("--kill-step", type=int, default=0)
+    p.add_argument("--kill-step", default="0")
     p.add_argument("--no-ffstate", action="store_true")
     a = p.parse_args()
     L.seed_everything(0, workers=True)
@@ -69,7 +69,7 @@ def main() -> None:
     val = StatefulDataLoader(data(16, 1), batch_size=4, generator=torch.Generator().manual_seed(2))
     callbacks = [] if a.no_ffstate else [ReplicationCallback()]
     if a.kill_rank >= 0:
-        callbacks.append(Kill(a.out, a.kill_rank, a.kill_step))
+        callbacks.append(Kill(a.out, a.kill_rank, [int(s) for s in a.kill_step.split(",")]))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=3, val_check_interval=7,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=1)
