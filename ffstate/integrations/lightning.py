@@ -146,11 +146,12 @@ class ReplicationCallback(Callback):
         if self._loops.at_epoch_end or not self._loops.loaders:
             capture.set_rng_state(rng)  # restored at an epoch's end: the loop has moved to the next epoch already
             iter(fetcher)
-            # Lightning took the version for a mid-epoch one (it was committed at the epoch's last batch) and counted
-            # that epoch done: the next one is a fresh epoch, begun as in a run that never stopped (its counters and
-            # its on_train_epoch_start hooks), not resumed (they were skipped, and a later restore then took the
-            # epoch for finished and ran its batches again).
-            fit_loop.reset_restart_stage()
+            if self._loops.at_epoch_end:
+                # Lightning took the version for a mid-epoch one (it was committed at the epoch's last batch) and
+                # counted that epoch done: the next one is a fresh epoch, begun as in a run that never stopped (its
+                # counters and its on_train_epoch_start hooks), not resumed (they were skipped, and a later restore
+                # then took the epoch for finished and ran its batches again).
+                fit_loop.reset_restart_stage()
         else:
             combined._load_state_dicts(self._loops.loaders)
             iter(fetcher)  # resumes at the restored position
