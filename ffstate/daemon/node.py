@@ -66,11 +66,9 @@ class Node:
         self.cfg = cfg
         check_id(cfg.node_id, "node id")
         self.store = Store(cfg.memory_limit or default_memory_limit(), cfg.keep_deltas, cfg.max_chunk_bytes)
-        # Pushing to TLS peers: verify them with --tls-ca, and present this daemon's own certificate
-        # (peers that run mutual TLS ask for one).
+        # TLS peers: verified with --tls-ca, and shown this daemon's own certificate (mutual TLS asks for one).
         tls = Tls(cfg.tls_ca, cert=cfg.tls_cert, key=cfg.tls_key) if cfg.tls_ca else None
-        # No retries inside a push: a holder that does not answer is marked down at once (a held commit stops
-        # waiting for it, lag.py) and retried on the replicator's own backoff.
+        # No retries in a push: a holder that does not answer is marked down (lag.py), retried on the replicator's backoff.
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, cfg.persist_keep, self.store.reserve,
                                    self.store.release, cfg.node_id, cfg.persist_nice) if cfg.persist_dir else None
         taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) \
@@ -191,6 +189,8 @@ class Node:
                         "FAILED_PRECONDITION")
                 self.replicator.reset(shard, holders, discard_after=discard_after)
                 self.drainer.forget(shard)
+                if self.persister is not None:  # the steps past v* are redone: their versions are to be written
+                    self.persister.forget_after(key, discard_after or 0)
                 log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
                          [h.address for h in shard.holders])
             else:

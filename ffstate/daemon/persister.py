@@ -154,6 +154,19 @@ class Persister:
             return
         self._queue_copy(key, version, copy, checksum)
 
+    def forget_after(self, key: ShardKey, version: int) -> None:
+        """``key``'s worker attached again after a restore to ``version`` (0: from the start): the steps past it are
+        redone, and their versions are to be written anew (the restore removed the dead run's folders). Forgets
+        this rank's claims on them and the node's decisions for them, and reads the newest complete version again."""
+        job, rank, world = key.job_id, key.rank, key.world_size
+        with self._lock:
+            for claim in [c for c in self._queued if c[:3] == (job, rank, world) and c[3] > version]:
+                del self._queued[claim]
+            for decided in [d for d in self._decided if d[0] == job and d[1] > version]:
+                del self._decided[decided]
+        if self.stats.newest_complete > version:  # what `ffstate status` shows: a removed version is not complete
+            self.stats.newest_complete = max(persist.complete_versions(self.root / job), default=0)
+
     def _unclaim(self, claim: tuple) -> None:
         with self._lock:
             self._queued.pop(claim, None)

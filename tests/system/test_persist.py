@@ -40,9 +40,10 @@ def env_for(tmp: Path, job: str, persist_dir: Path | None = None) -> dict:
     return env
 
 
-def torchrun(out: Path, env: dict, *extra: str, steps: int = STEPS, ok: bool = True) -> subprocess.CompletedProcess:
+def torchrun(out: Path, env: dict, *extra: str, steps: int = STEPS, ok: bool = True,
+             restarts: int = 0) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), "--max-restarts",
-            "0", "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps), *extra]
+            str(restarts), "-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(steps), *extra]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -147,6 +148,20 @@ def test_a_job_preempted_by_sigterm_to_every_process_resumes_from_the_versions_i
     assert sorted(e["rank"] for e in got) == list(range(WORLD)) and {e["version"] for e in got} == {done[-1]}, got
     assert all(e["source"].startswith("persisted ") for e in got), got
     assert compare_runs(out, reference, WORLD) == []
+
+def test_a_step_redone_after_a_restart_is_written_again_and_the_job_s_last_step_is_complete(tmp_path):
+    """Rank 1 dies inside its commit of the last step (10), after rank 0's daemon flushed its own version 10: the
+    restart resumes at v* = 9, removes the dead run's version 10 from the disk, redoes step 10 and ends there. Node
+    0's daemon must write rank 0's new version 10 (it once kept its claim on the old one, said "flushed already",
+    and the job ended with version 5 as its newest complete one)."""
+    job, store = f"redo-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
+    env = {**env_for(tmp_path, job, store), "FFSTATE_PERSIST_EVERY": "5"}
+    proc = torchrun(tmp_path / "out", env, "--kill-rank", "1", "--kill-step", "10", "--kill-phase", "mid-commit",
+                    steps=10, restarts=1)
+    assert [e["version"] for e in restored(tmp_path, job)] == [9, 9], restored(tmp_path, job)
+    assert persist.complete_versions(store / job)[-1] == 10, (persist.complete_versions(store / job), proc.stdout[-3000:])
+    persist.check(persist.version_dir(store / job, 10), list(range(WORLD)))
+
 
 def shard_path(vdir: Path, rank: int, spec: int) -> str:
     """The state path of a rank's tensor ``spec`` (its manifest's name)."""
