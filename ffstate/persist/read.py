@@ -1,9 +1,9 @@
 """Reading a persisted version back, bit for bit, and checking it before anything of it is used.
 
-``check`` compares the files a set of ranks needs with the sizes and checksums their records gave at flush
-(a torn, truncated or corrupted file is named in the error; a version of the format before XXH3, 1, by the sums
-it was written with); ``read_shard`` rebuilds a rank's buffer from
-its record's items (each tensor by ``torch.load(weights_only=True)`` from its place in the file, the
+``check`` compares the files a set of ranks needs with the sizes and checksums their records gave at flush, and
+the records with theirs at completion (a torn, truncated or corrupted file is named in the error; a version of the
+format before XXH3, 1, by the sums it was written with); ``read_shard`` rebuilds a rank's buffer from its record's
+items (each tensor by ``torch.load(weights_only=True)`` from its place in the file, the
 rank's own bytes from its ``rest`` entry), and checks the whole against the version's checksum before it
 returns the state. DCP's ``.metadata`` (a pickle) is for other readers: ffstate never unpickles it.
 """
@@ -46,7 +46,13 @@ def check(vdir: Path, ranks: list[int], full: bool = True) -> None:
     except (OSError, ValueError) as e:
         raise PersistError(f"{vdir / COMPLETE}: unreadable ({e})") from None
     fmt = _format(marker, vdir / COMPLETE)
-    for name, info in sorted(marker["files"].items()):
+    records = marker.get("records", {})  # the ranks' records' sums (none in a version completed before they were kept)
+    for rank in ranks:
+        if not record_path(vdir, rank).exists():
+            raise PersistError(f"{record_path(vdir, rank)}: missing")
+        if record_path(vdir, rank).name not in records:
+            record(vdir, rank)  # at least it must parse
+    for name, info in sorted({**marker["files"], **records}.items()):
         if info["rank"] not in ranks:
             continue
         path = vdir / name
@@ -60,9 +66,6 @@ def check(vdir: Path, ranks: list[int], full: bool = True) -> None:
             raise PersistError(f"{path}: {e.strerror or e}") from None
         if size != info["size"]:
             raise PersistError(f"{path}: {size} bytes, flushed as {info['size']}")
-    for rank in ranks:
-        if not record_path(vdir, rank).exists():
-            raise PersistError(f"{record_path(vdir, rank)}: missing")
 
 
 def _format(rec: dict, path: Path) -> int:

@@ -208,8 +208,11 @@ def finalize(vdir: Path, world: int) -> bool:
         writer = _dcp().FileSystemWriter(vdir, single_file_per_rank=True, sync_files=True, overwrite=True)
         writer.finish(metadata, [results])
         files = {name: {**info, "rank": rec["rank"]} for rec in records for name, info in rec["files"].items()}
+        sums = {r: file_checksum(record_path(vdir, r), FORMAT) for r in range(world)}  # a record torn later: refused
+        recs = {record_path(vdir, r).name: {"size": size, "checksum": checksum, "rank": r}
+                for r, (size, checksum) in sums.items()}
         _atomic_json(vdir / COMPLETE, {"format": FORMAT, "job": records[0]["job"], "version": records[0]["version"],
-                                      "world": world, "files": files, "time": time.time()})
+                                      "world": world, "files": files, "records": recs, "time": time.time()})
     return True
 
 
