@@ -146,16 +146,27 @@ def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: 
         for w, v in t["others"].items():
             worlds[int(w)] = max(worlds.get(int(w), 0), v)
     common = set.intersection(*everyone) if everyone else set()
+    refused: set[int] = set()  # persisted versions some rank's check refused (damaged files on disk)
     if common and check is not None and any(max(common) not in set(t["live"]) for t in told):
-        mine = live | check(sorted(mine - live, reverse=True))
+        passed = live | check(sorted(mine - live, reverse=True))
+        checked = {"versions": sorted(passed), "refused": sorted(mine - passed)}
+        mine = passed
         if job.store is not None:
-            told = job.exchange(f"{name}-checked", {"versions": sorted(mine)}, range(job.world), NEGOTIATE_TIMEOUT)
+            told = job.exchange(f"{name}-checked", checked, range(job.world), NEGOTIATE_TIMEOUT)
         else:
-            told = [{"versions": sorted(mine)}]
+            told = [checked]
         everyone = [set(t["versions"]) for t in told]
+        refused = {v for t in told for v in t["refused"]}
         common = set.intersection(*everyone)
     if common:
         return max(common), last, worlds
+    if last and not worlds and refused:  # the copies are there, on a disk that damaged them
+        raise FFStateError(
+            f"no version can be restored by every rank: the persisted versions {sorted(refused)[-5:]} failed their "
+            f"checks (damaged or missing files, named in the warnings above), and no other copy is common to every "
+            f"rank (versions per rank: {[sorted(v)[-3:] for v in everyone]}). Refusing to restore a mix of steps or "
+            "to restart from step 0 silently. Put the damaged files back, or start the job under a new job id to "
+            "begin from scratch.")
     if last and not worlds:  # some copy of the job exists: refuse, never start over silently
         missing_ranks = [r for r, v in enumerate(everyone) if not v]
         detail = ("; ".join(lost) + ". ") if lost else ""
