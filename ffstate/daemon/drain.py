@@ -90,7 +90,8 @@ class Drainer:
         return jobs[0]
 
     def request(self, job: str, leave: bool) -> DrainReport:
-        """Starts draining ``job``'s local ranks (see the module docstring); a drain in progress is left as it is.
+        """Starts draining ``job``'s local ranks (see the module docstring); a drain in progress is left as it is, but
+        for ``leave``: a drain that stays (``ffstate drain --stay``) asked again to leave does, once drained.
 
         Raises:
             ReplicaError: no local rank of the job (NOT_FOUND), or one without a replica on another node
@@ -112,6 +113,9 @@ class Drainer:
                     s.slots.set_drain(d.requested)
                 log.warning("draining job %s out of this node: %d local ranks stop at their next commit%s", job,
                             len(shards), "; they leave the job once replicated there" if leave else "")
+            elif leave and not d.leave:
+                d.leave = True
+                log.warning("drain of job %s (%s): its ranks now leave the job once drained", job, d.state)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="ffstate-drain", daemon=True)
                 self._thread.start()
@@ -155,7 +159,7 @@ class Drainer:
         if not rows:
             return
         stopped = [r for r in rows if r[3]]
-        if d.stopped_seen and not stopped and d.state == "draining":
+        if d.stopped_seen and not stopped:  # draining, or drained and staying: a later request starts anew
             d.state, d.message = "failed", "the ranks gave the drain up (Config.drain_hold) and went on training"
             log.error("drain of job %s: %s", d.job, d.message)
             return

@@ -1,0 +1,71 @@
+"""The daemon's side of a drain (``daemon/drain.py``) over a rank's real slots in shared memory, the worker's side
+played by hand through the slot header: a drain that stays (``ffstate drain --stay``) and is then asked to leave,
+and one whose ranks gave up their hold."""
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ffstate import layout, shm
+from ffstate.commit import SlotWriter
+from ffstate.daemon.drain import Drainer, agent_of
+from ffstate.ids import ShardKey
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def rank(tmp_path, monkeypatch):
+    """Rank 0 of 2 of job ``j``, committed and replicated at step 7: (its shard as the drainer sees it, its worker's
+    view of the slots)."""
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    state = {"w": torch.ones(100)}
+    manifest = layout.describe(state)
+    paths = shm.slot_paths("n0", "j", 0, 2)
+    shm.create_slots(paths, manifest, 4096)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    SlotWriter(worker).commit(state, 7)
+    worker.set_worker(os.getpid(), "")
+    try:
+        yield SimpleNamespace(key=ShardKey("j", 0, 2), holders=["peer:1"], slots=daemon, replicated_version=7), worker
+    finally:
+        worker.close()
+        daemon.close()
+
+
+def until(drainer: Drainer, state: str) -> None:
+    deadline = time.monotonic() + 10
+    while drainer.report("j").state != state and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert drainer.report("j").state == state, drainer.report("j")
+
+
+def test_a_drain_that_stays_asked_again_to_leave_leaves(rank):
+    shard, worker = rank
+    kills = []
+    drainer = Drainer(lambda: [shard], kill=lambda pid, sig: kills.append((pid, sig)))
+    assert drainer.request("j", leave=False).state == "draining"
+    assert worker.drain()[0] > 0  # asked in the header
+    worker.set_drained(7)  # the worker stopped at its next commit, step 7, which every holder has
+    until(drainer, "drained")
+    assert kills == []  # --stay: the ranks stay
+    drainer.request("j", leave=True)  # `ffstate drain` without --stay, later
+    until(drainer, "left")
+    assert kills == [(agent_of(os.getpid()), signal.SIGTERM)]
+
+
+def test_a_drain_whose_ranks_gave_up_their_hold_is_over_and_a_new_request_drains_again(rank):
+    shard, worker = rank
+    drainer = Drainer(lambda: [shard], kill=lambda pid, sig: None)
+    drainer.request("j", leave=False)
+    worker.set_drained(7)
+    until(drainer, "drained")
+    worker.set_drained(0)  # Config.drain_hold passed: the ranks went on training
+    until(drainer, "failed")
+    assert "gave the drain up" in drainer.report("j").message
+    worker.set_drain(0.0)
+    assert drainer.request("j", leave=True).state == "draining" and worker.drain()[0] > 0  # a new drain, asked anew
