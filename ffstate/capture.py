@@ -116,10 +116,19 @@ def check_restorable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     """What a commit would capture but a restore could not put back, refused at entry.
 
     Raises:
-        FFStateError: the optimizer's state is not a ``torch.optim.Optimizer``'s (``state``, ``param_groups``: a
+        FFStateError: the optimizer updates tensors that are not the model's parameters (their values would not
+            come back); the optimizer's state is not a ``torch.optim.Optimizer``'s (``state``, ``param_groups``: a
             container of several optimizers); or, for a model of DTensors (restored in place, tensor by tensor),
             ``state_dict()`` gives entries that are not its parameters or buffers (a hook that makes new tensors).
     """
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise FFStateError(f"the optimizer updates {len(foreign)} tensors that are not parameters of the model given to "
+                           f"ffstate (e.g. one of shape {list(foreign[0].shape)}): their values are not in the model's "
+                           "state_dict, so a restore would bring back their optimizer state but not them. Give "
+                           "replicate() the model the optimizer was built on, and register any other learned tensor "
+                           "in it (an nn.Parameter attribute)")
     state = optimizer_state(optimizer)
     if not (isinstance(state, dict) and ({"state", "param_groups"} <= set(state) or {"shard", "groups"} == set(state))):
         found = sorted(map(str, state))[:5] if isinstance(state, dict) else type(state).__name__

@@ -8,6 +8,7 @@ Defaults work on one machine.
 from __future__ import annotations
 
 import argparse
+import math
 import dataclasses
 import os
 import re
@@ -262,8 +263,8 @@ def check_hang(cfg: "Config | DaemonConfig") -> None:
                          f"{cfg.hang_multiple}, {cfg.hang_floor}, {cfg.hang_ceiling}, {cfg.hang_startup}")
     if not cfg.straggler_ratio > 1:
         raise ValueError(f"straggler_ratio must be > 1, got {cfg.straggler_ratio}")
-    if getattr(cfg, "pause_limit", 1.0) <= 0:
-        raise ValueError(f"pause_limit must be > 0 seconds, got {cfg.pause_limit}")
+    if not 0 < getattr(cfg, "pause_limit", 1.0) < math.inf:
+        raise ValueError(f"pause_limit must be a finite number of seconds > 0, got {cfg.pause_limit}")
 
 
 def check_persist(cfg: "Config | DaemonConfig") -> None:

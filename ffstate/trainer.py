@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import logging
+import math
+import operator
 import os
 import signal
 import time
@@ -202,19 +204,22 @@ class Replicated:
     def pause(self, seconds: float | None = None) -> Iterator[None]:
         """Declares work between commits that is not a training step (an evaluation, a checkpoint, a long data
         reshuffle): the node's daemon does not take the silence for a hang while it lasts, up to ``seconds``
-        (default ``Config.pause_limit``, an hour); its deadline counts again from the end."""
+        (default ``Config.pause_limit``, an hour); its deadline counts again from the end. Pauses nest: an inner
+        one's end gives the outer one back."""
         limit = self.cfg.pause_limit if seconds is None else seconds
-        if not limit > 0:
-            raise FFStateError(f"pause(seconds={seconds!r}): seconds must be > 0")
-        self._paused_until = time.time() + limit
+        if not (isinstance(limit, (int, float)) and 0 < limit < math.inf):
+            raise FFStateError(f"pause(seconds={seconds!r}): seconds must be a finite number > 0 (default "
+                               f"Config.pause_limit, {self.cfg.pause_limit} s)")
+        outer = self._paused_until
+        self._paused_until = max(outer, time.time() + limit)
         if self._slots is not None:
             self._slots.set_paused(self._paused_until)
         try:
             yield
         finally:
-            self._paused_until = 0.0
+            self._paused_until = outer if outer > time.time() else 0.0
             if self._slots is not None:
-                self._slots.set_paused(0.0)
+                self._slots.set_paused(self._paused_until)
 
     def _close(self) -> None:
         if self._slots is not None:  # first: the daemon asks for stacks only where the record names a file
@@ -238,10 +243,19 @@ class Replicated:
         once it has landed (``flush``), a device-to-host copy later; the next commit waits for it.
 
         Raises:
-            FFStateError: ``step`` is not larger than the last committed one.
+            FFStateError: ``step`` is not an integer, or not larger than the last committed one.
         """
+        try:
+            step = operator.index(step)  # an int, a numpy integer, a 0-d integer tensor: the version is an int
+        except TypeError:
+            raise FFStateError(f"commit(step): the step must be an integer, got {type(step).__name__} {step!r}") from None
         if step <= self._last:
-            raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase")
+            hint = ""
+            if self._last == self.start_step:  # this process's first commit: the loop does not count from start_step
+                what = "the step restored" if self.start_step else "nothing restored"
+                hint = (f"; ff.start_step is {self.start_step} ({what}): the first commit after entry is of a later "
+                        "step (for step in range(ff.start_step + 1, ...))")
+            raise FFStateError(f"commit({step}) after commit({self._last}): steps must increase{hint}")
         began = time.perf_counter()
         with layout.gc_paused():  # the state's containers, dropped at the end: no collection over the model's objects
             state = capture.capture(self.model, self.optimizer, self.lr_scheduler, self.extra)

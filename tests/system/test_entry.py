@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ffstate
+from ffstate import capture
 from ffstate.bench._report import free_ports
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +60,19 @@ def test_an_optimizer_whose_state_a_restore_could_not_load_is_refused_at_entry()
     with pytest.raises(ffstate.FFStateError, match=r"has \['opt0', 'opt1'\], not a torch.optim.Optimizer's"):
         with ffstate.replicate(model, opt, config=cfg):
             pytest.fail("entered")
+
+
+def test_an_optimizer_over_tensors_that_are_not_the_model_s_is_refused_at_entry():
+    """Its values would not come back at a restore (their optimizer state would): refused, not silently half-restored.
+    An optimizer over some of the model's parameters is fine."""
+    cfg = ffstate.Config(job_id=f"e{uuid.uuid4().hex[:6]}", token="t", base_port=free_ports(1))
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(3, 3)
+    temperature = torch.nn.Parameter(torch.ones(1))
+    for params in (other.parameters(), [*model.parameters(), temperature]):
+        with pytest.raises(ffstate.FFStateError, match="not parameters of the model given to ffstate"):
+            with ffstate.replicate(model, torch.optim.SGD(params, lr=0.1), config=cfg):
+                pytest.fail("entered")
+    capture.check_restorable(model, torch.optim.SGD([model.weight], lr=0.1))
 
 
 def test_a_razor_declaration_that_names_nothing_and_a_state_dict_of_copies_are_refused_at_entry(tmp_path):
@@ -147,3 +161,34 @@ def test_status_with_no_daemon_on_the_node_says_how_to_name_one(tmp_path):
                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert out.returncode != 0
     assert "--daemon HOST:PORT" in out.stderr
+
+
+def test_a_newcomer_s_mistakes_in_the_loop_get_clear_errors_and_pauses_nest():
+    """World 1 with its node's daemon: steps given as a numpy integer or a 0-d tensor are steps (the job's end once
+    failed on them, and the daemon never heard of it); a float step, a first commit not past ``start_step``, and an
+    endless pause are refused by name; an inner pause's end gives the outer one back."""
+    import math
+    import time
+
+    import numpy as np
+
+    job = f"n{uuid.uuid4().hex[:6]}"
+    cfg = ffstate.Config(job_id=job, token="t", base_port=free_ports(1), replicas=0)
+    model = torch.nn.Linear(2, 2)
+    with ffstate.replicate(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg) as ff:
+        with pytest.raises(ffstate.FFStateError, match=r"ff.start_step is 0 \(nothing restored\).*range\(ff.start_step"):
+            ff.commit(0)
+        with pytest.raises(ffstate.FFStateError, match="the step must be an integer, got float 1.0"):
+            ff.commit(1.0)
+        ff.commit(np.int64(1))
+        ff.commit(torch.tensor(2))
+        for bad in (math.inf, math.nan, 0):
+            with pytest.raises(ffstate.FFStateError, match="seconds must be a finite number > 0"):
+                with ff.pause(bad):
+                    pass
+        with ff.pause(60):
+            with ff.pause(1):
+                pass
+            assert ff._slots.worker().paused_until > time.time() + 50  # the outer pause holds
+        assert ff._slots.worker().paused_until == 0
+    assert ff._last == 2
