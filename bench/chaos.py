@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from ffstate.bench._report import environment, free_ports, publish, pyplot, table
-from ffstate.daemon.launch import stop_daemons
+from ffstate.daemon.running import stop_daemons
 from ffstate.demo.faults import HANG_PHASES, PHASES
 from ffstate.testing.bitwise import compare_runs
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ffstate.daemon.launch import stop_daemons
+from ffstate.daemon.running import stop_daemons
 from ffstate.testing.bitwise import compare_runs
 
 

@@ -21,7 +21,7 @@ def targets(given: list[str] | None, job: str, token_file: Path | None) -> list[
     Raises:
         SystemExit: nothing to ask, or no token for a daemon.
     """
-    from ffstate.daemon.launch import local_daemons
+    from ffstate.daemon.running import local_daemons
 
     found = local_daemons(job)
     explicit = token_file.read_text().strip() if token_file else os.environ.get("FFSTATE_TOKEN", "")

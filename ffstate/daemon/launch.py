@@ -8,13 +8,9 @@ import contextlib
 import fcntl
 import logging
 import os
-import select
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -22,6 +18,7 @@ from ffstate import placement
 from ffstate.client import Client
 from ffstate.config import Config, DaemonConfig, parse_bytes, priority
 from ffstate.errors import FFStateError, ReplicaError, ReplicaUnavailable
+from ffstate.daemon.running import alive, local_daemons, serve_flags
 from ffstate.reports import NO_FLUSHER
 
 if TYPE_CHECKING:  # the job needs torch, which `ffstate status` (local_daemons) does not load
@@ -68,7 +65,7 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
             client.inventory(job.job)
             break
         except ReplicaUnavailable:
-            if pid and not _alive(pid) and lost is None:
+            if pid and not alive(pid) and lost is None:
                 # It could not listen there (a port another program took after it was found free): the next one.
                 log.warning("rank %d: the daemon started for %s at %s exited without answering (%s); trying the "
                             "next port", job.rank, topo.node_id, address, _log_tail(job.run_dir, topo.node_id))
@@ -89,7 +86,33 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
             raise
     if lost is None and topo.first_on_node:
         job.publish_daemon(topo.node, address)
+        if starts:  # one an earlier run of the job started (it waits out its idle time) keeps its own settings
+            _compare_settings(job, address)
     return client
+
+
+def _compare_settings(job: Job, address: str) -> None:
+    """Logs where the node's daemon, found running (an earlier run of this job id started it, and it waits out its
+    idle time), was started with other settings than this run's: it keeps its own (a watchdog's deadline, say)."""
+    topo = job.topology
+    found = [d for d in local_daemons(job.job) if d.node_id == topo.node_id and d.address == address]
+    if not found:
+        return
+    try:
+        argv = [a.decode() for a in Path(f"/proc/{found[0].pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return
+    theirs = serve_flags(argv[argv.index("serve") + 1:] if "serve" in argv else [])
+    mine = serve_flags(daemon_config(job.cfg, topo.node, topo.node_id, address, job.run_dir).to_args())
+    differ = sorted(k for k in {*theirs, *mine} - {"--host", "--port", "--pid-file"} if theirs.get(k) != mine.get(k))
+    if differ:
+        def shown(flags: dict[str, list[str]], k: str) -> str:
+            return " ".join(flags[k]) or "on" if k in flags else "the default"
+
+        said = ", ".join(f"{k} {shown(theirs, k)} (this run: {shown(mine, k)})" for k in differ)
+        log.warning("rank %d: node %s's daemon (pid %d), started by an earlier run of job %s, keeps its settings: %s. "
+                    "Stop it (kill %d) before relaunching for this run's to apply", job.rank, topo.node_id,
+                    found[0].pid, job.job, said, found[0].pid)
 
 
 def _start_once(job: Job, address: str, client: Client) -> int:
@@ -249,100 +272,6 @@ def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:
                                 env={**os.environ, "FFSTATE_TOKEN": token}, close_fds=True).pid
 
 
-@dataclass(frozen=True)
-class Found:
-    """A daemon the workers of a job started on this machine, as its run folder describes it."""
-
-    address: str
-    token: str
-    job: str
-    node_id: str
-    pid: int
-
-
-def local_daemons(job: str = "") -> list[Found]:
-    """The daemons workers started on this machine that are alive (of ``job``, or of every job): read from the job
-    run folders in the temporary directory (``$TMPDIR/ffstate-<job>/``: the daemon's pid and address files, the
-    job's token). A daemon whose address is not one of this machine's (a run folder shared by several machines)
-    is left out."""
-    out = []
-    for run_dir in sorted(Path(tempfile.gettempdir()).glob("ffstate-*")):
-        name = run_dir.name[len("ffstate-"):]
-        if job and name != job:
-            continue
-        try:
-            kept = (run_dir / "token").read_text().strip()
-        except OSError:
-            kept = ""
-        for pid_file in sorted(run_dir.glob("daemon-*.pid")):
-            node_id = pid_file.name[len("daemon-"):-len(".pid")]
-            try:
-                pid = int(pid_file.read_text().strip())
-                address = (run_dir / f"daemon-{node_id}.address").read_text().strip()
-            except (OSError, ValueError):
-                continue
-            try:
-                token = (run_dir / f"daemon-{node_id}.token").read_text().strip()
-            except OSError:
-                token = kept
-            if _alive(pid) and placement.is_local(address.rsplit(":", 1)[0]):
-                out.append(Found(address, token or os.environ.get("FFSTATE_TOKEN", ""), name, node_id, pid))
-    return out
-
-
-def daemon_pidfds(job: str) -> dict[int, int]:
-    """{pid: pidfd} of the daemons workers started for ``job`` on this machine (``local_daemons``), each checked,
-    once opened, to run that node's ``ffstate serve``: a pid file a SIGKILLed daemon left may name another process
-    by now, and a pidfd never reaches a later process with the same pid (``signal.pidfd_send_signal``). The
-    caller closes them."""
-    fds = {}
-    for d in local_daemons(job):
-        try:
-            fd = os.pidfd_open(d.pid)
-        except OSError:  # gone meanwhile
-            continue
-        try:
-            argv = Path(f"/proc/{d.pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            argv = []
-        if b"serve" in argv and d.node_id.encode() in argv and not ended(fd):  # that command line was its own
-            fds[d.pid] = fd
-        else:
-            os.close(fd)
-    return fds
-
-
-def ended(pidfd: int) -> bool:
-    """Whether the process of ``pidfd`` has ended (a pidfd turns readable then)."""
-    return bool(select.select([pidfd], [], [], 0)[0])
-
-
-def stop_daemons(job: str, wait: float, grace: float = 0.0, kill: bool = False) -> list[int]:
-    """Stops the daemons workers started for ``job`` on this machine that are still alive after ``grace`` seconds
-    (time to exit on their own, at the job's end): SIGTERM, up to ``wait`` seconds for their clean stop, then, with
-    ``kill``, SIGKILL; through ``daemon_pidfds``. Returns the pids it signalled."""
-    fds = daemon_pidfds(job)
-
-    def wait_ended(pids: list[int], seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not all(ended(fds[p]) for p in pids):
-            time.sleep(0.1)
-
-    try:
-        wait_ended(list(fds), grace)
-        alive = [pid for pid, fd in fds.items() if not ended(fd)]
-        for pid in alive:
-            signal.pidfd_send_signal(fds[pid], signal.SIGTERM)
-        wait_ended(alive, wait)
-        for pid in alive:
-            if kill and not ended(fds[pid]):
-                signal.pidfd_send_signal(fds[pid], signal.SIGKILL)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return alive
-
-
 @contextlib.contextmanager
 def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., int]]:
     """The node's ranks start its daemon one at a time (a lock file in the run folder). Inside, ``started()`` says
@@ -365,22 +294,11 @@ def _starting(run_dir: Path, node_id: str) -> Iterator[Callable[..., int]]:
                     recorded = int(f.read().strip() or 0)
                 except ValueError:
                     return 0
-                return recorded if _alive(recorded) else 0
+                return recorded if alive(recorded) else 0
 
             yield started
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _alive(pid: int) -> bool:
-    """A process that runs (not a zombie: a daemon that died and was not reaped yet does not count)."""
-    if pid <= 0:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def answers(client: Client) -> bool:

@@ -59,7 +59,7 @@ def target(daemon: str | None, job: str, token: str) -> tuple[str, str, str]:
     Raises:
         FFStateError: none, or several, found; or no token.
     """
-    from ffstate.daemon.launch import local_daemons
+    from ffstate.daemon.running import local_daemons
 
     found = local_daemons(job)
     if daemon is None:

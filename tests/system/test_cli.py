@@ -66,7 +66,7 @@ def test_only_a_live_daemon_of_the_job_is_signalled_never_what_a_stale_pid_file_
     another process's. ``daemon_pidfds`` takes only a process whose command line is that node's ``ffstate serve``."""
     import tempfile
 
-    from ffstate.daemon.launch import daemon_pidfds, ended
+    from ffstate.daemon.running import daemon_pidfds, ended
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     run_dir = tmp_path / "ffstate-jobx"

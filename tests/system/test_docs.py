@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ffstate import Config
 from ffstate.bench._report import free_ports
-from ffstate.daemon.launch import stop_daemons
+from ffstate.daemon.running import stop_daemons
 from helpers import KILL_WRAPPER
 
 ROOT = Path(__file__).resolve().parents[2]

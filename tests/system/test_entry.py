@@ -192,3 +192,27 @@ def test_a_newcomer_s_mistakes_in_the_loop_get_clear_errors_and_pauses_nest():
             assert ff._slots.worker().paused_until > time.time() + 50  # the outer pause holds
         assert ff._slots.worker().paused_until == 0
     assert ff._last == 2
+
+
+def test_a_relaunch_that_finds_an_earlier_run_s_daemon_with_other_settings_says_which(caplog):
+    """A run that ended by an exception leaves its node's daemon waiting for a restart; a relaunch under the same job
+    id uses it, with the settings it was started with: the relaunch names each one that differs from its own."""
+    import logging
+
+    job, port = f"s{uuid.uuid4().hex[:6]}", free_ports(1)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = ffstate.Config(job_id=job, token="t", base_port=port, replicas=0, hang_floor=5.0, hang_ceiling=10.0)
+    with contextlib.suppress(RuntimeError):
+        with ffstate.replicate(model, opt, config=first) as ff:
+            ff.commit(1)
+            raise RuntimeError("the loop failed")
+    again = first.replace(hang_floor=60.0, hang_ceiling=600.0, hang_action="off")
+    with caplog.at_level(logging.WARNING, logger="ffstate.launch"):
+        with ffstate.replicate(model, opt, config=again) as ff:
+            ff.commit(ff.start_step + 1)
+    said = caplog.text
+    assert "started by an earlier run of job" in said, said
+    for flag in ("--hang-floor 5.0 (this run: the default)", "--hang-ceiling 10.0 (this run: the default)",
+                 "--hang-action the default (this run: off)"):
+        assert flag in said, said

@@ -100,7 +100,7 @@ def test_an_evaluation_longer_than_the_hang_deadline_is_a_pause_not_a_hang(tmp_p
     """Lightning's validation within fit, the Trainer's evaluation and save at an epoch's end: each lasts 5 s where
     the watchdog's deadline for a step is at most 3 s, and the run finishes (the daemon SIGKILLed the rank before)."""
     pytest.importorskip(framework, reason=f"{framework} is not installed (pip install 'ffstate[test]')")
-    from ffstate.daemon import launch
+    from ffstate.daemon import running
 
     job = f"ev{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "FFSTATE_JOB_ID": job, "FFSTATE_TOKEN": uuid.uuid4().hex, "FFSTATE_BASE_PORT": str(free_ports(1)),
@@ -111,6 +111,6 @@ def test_an_evaluation_longer_than_the_hang_deadline_is_a_pause_not_a_hang(tmp_p
                              text=True, env=env, timeout=240)
     finally:
         monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the job's run folder, where its daemon's pid file is
-        launch.stop_daemons(job, wait=15, kill=True)  # a rank killed leaves its node's daemon waiting for it
+        running.stop_daemons(job, wait=15, kill=True)  # a rank killed leaves its node's daemon waiting for it
     assert got.returncode == 0 and "finished at step 20" in got.stdout, (got.returncode, got.stdout[-2000:],
                                                                         got.stderr[-4000:])
