@@ -30,13 +30,12 @@ class Config:
     """ffstate's configuration.
 
     Attributes:
-        chunk_bytes: size of one encoded segment before compaction (bytes). 1 MiB: the best of
-            the chunk sizes `ffstate bench bandwidth` sweeps (min of gRPC push and fetch
-            throughput on loopback); per-chunk costs are noise at that size and a resend is cheap.
         kernels: ``auto`` (Triton for CUDA tensors, the reference path for CPU tensors),
             ``triton`` (always; CPU tensors then need ``TRITON_INTERPRET=1``) or ``torch`` (always
-            the reference path).
+            the reference path). Process-wide: read from ``FFSTATE_KERNELS`` by whatever packs or
+            encodes (``replicate(config=...)`` does not change it).
         codec_threads: threads of the CPU codec path; 0 means the number of cores, at most 8.
+            Process-wide, from ``FFSTATE_CODEC_THREADS``, as ``kernels``.
         job_id: the job's id, which names its replicas; default: torchrun's run id
             (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else Slurm's job id
             (``SLURM_JOB_ID``), else ``ffstate-job``.
@@ -135,7 +134,6 @@ class Config:
             shrink; the job stops saying why (``NoSpareLeft``).
     """
 
-    chunk_bytes: int = 1 << 20
     kernels: str = "auto"
     codec_threads: int = 0
     job_id: str = ""

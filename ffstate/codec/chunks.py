@@ -13,14 +13,15 @@ import torch
 
 from ffstate import checksum
 from ffstate.codec.backend import POOL_MIN_BYTES, _map
-from ffstate.config import Config
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
 # 3: XXH3 checksums. Refused, saying what to do: 2 (checksums of 64-bit words mixed one by one), 1 (byte planes
 # before python-blosc2).
 FORMAT = 3
-DEFAULT_CHUNK_BYTES = Config.chunk_bytes
+# One encoded segment before compaction: 1 MiB, the best of the chunk sizes `ffstate bench bandwidth` sweeps (min of
+# gRPC push and fetch throughput on loopback); per-chunk costs are noise at that size and a resend is cheap.
+DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES, MAX_CHUNK_BYTES = 4 << 10, 1 << 30
 # Bytes each chunk costs on the wire beside its payload: index, count (u32 each) and checksum (u64).
 CHUNK_OVERHEAD = 16

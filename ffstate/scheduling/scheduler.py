@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ffstate.config import Config
+from ffstate.codec.chunks import DEFAULT_CHUNK_BYTES
 from ffstate.scheduling.windows import merge_intervals, predicted_busy_until, project  # noqa: F401 (project: re-exported)
 
 # The training's collectives, as the workers mark them: (in flight now, recent (start, end) times, commit times).
@@ -168,7 +168,7 @@ class Naive:
         self._lock = threading.Lock()
 
     def chunk_bytes(self) -> int:
-        return Config.chunk_bytes
+        return DEFAULT_CHUNK_BYTES
 
     def _link(self, holder: str) -> LinkState:
         with self._lock:
@@ -235,16 +235,16 @@ class Scheduler:
     def chunk_bytes(self) -> int:
         """The segment size the replicator encodes with: a chunk should take about ``CHUNK_SECONDS`` on the
         slowest known link, so that it fits in the gaps between the training's collectives and one that
-        starts is not held up long behind it; ``Config.chunk_bytes`` (1 MiB) until a link is measured
+        starts is not held up long behind it; ``DEFAULT_CHUNK_BYTES`` (1 MiB) until a link is measured
         and on fast links. A power of two, at least ``MIN_CHUNK`` (``MEASURED_MIN_CHUNK`` where the
         link's rate is measured, not given)."""
         with self._lock:
             slowest = min((link.estimate for link in self._links.values() if link.estimate),
                           default=self.link_bytes_per_s)
         if not slowest:
-            return Config.chunk_bytes
+            return DEFAULT_CHUNK_BYTES
         want = max(MIN_CHUNK if self.link_bytes_per_s else MEASURED_MIN_CHUNK, int(slowest * CHUNK_SECONDS))
-        return min(Config.chunk_bytes, 1 << (want.bit_length() - 1))
+        return min(DEFAULT_CHUNK_BYTES, 1 << (want.bit_length() - 1))
 
     def _link(self, holder: str) -> LinkState:
         with self._lock:

@@ -6,16 +6,16 @@ from ffstate import Config
 
 
 def test_defaults_and_env_overrides(monkeypatch):
-    assert Config().kernels == "auto" and Config().chunk_bytes == 1 << 20
-    monkeypatch.setenv("FFSTATE_CHUNK_BYTES", "65536")
+    assert Config().kernels == "auto" and Config().max_lag == 1
+    monkeypatch.setenv("FFSTATE_MAX_LAG", "3")
     monkeypatch.setenv("FFSTATE_KERNELS", "torch")
     cfg = Config.from_env(codec_threads=3)
-    assert (cfg.chunk_bytes, cfg.kernels, cfg.codec_threads) == (65536, "torch", 3)
+    assert (cfg.max_lag, cfg.kernels, cfg.codec_threads) == (3, "torch", 3)
 
 
 def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
-    monkeypatch.setenv("FFSTATE_CHUNK_BYTES", "lots")
-    with pytest.raises(ValueError, match="FFSTATE_CHUNK_BYTES"):
+    monkeypatch.setenv("FFSTATE_MAX_LAG", "lots")
+    with pytest.raises(ValueError, match="FFSTATE_MAX_LAG"):
         Config.from_env()
     with pytest.raises(ValueError, match="kernels"):
         Config(kernels="cuda")
