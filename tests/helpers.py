@@ -1,14 +1,17 @@
-"""The small training jobs the tests replay, and the bitwise comparison they assert with (the one in
-``ffstate.testing.bitwise``, which the demo and the benchmarks use too)."""
+"""The small training jobs the tests replay, one rank's slots as its worker and its daemon map them, and the
+bitwise comparison the tests assert with (the one in ``ffstate.testing.bitwise``, which the demo and the benchmarks
+use too)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
+from ffstate import layout, shm
 from ffstate.testing.bitwise import assert_bitwise_equal, bits, contiguous_bits  # noqa: F401
 from ffstate.testing.models import TinyGPT
 
@@ -67,3 +70,21 @@ def commit(self, step):
 ffstate.trainer.Replicated.commit = commit
 runpy.run_path(sys.argv[1], run_name="__main__")
 '''
+
+
+@contextlib.contextmanager
+def worker_and_daemon_slots(tmp_path, monkeypatch, state: dict | None = None,
+                            world: int = 1) -> Iterator[tuple[dict, shm.Slots, shm.Slots]]:
+    """Rank 0's slots of job ``j`` (of ``world`` ranks) for ``state`` (default: ten zeros), in shared memory under
+    ``tmp_path``, as its worker and its daemon map them; yields (the state, the worker's, the daemon's)."""
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    state = {"w": torch.zeros(10)} if state is None else state
+    manifest = layout.describe(state)
+    paths = shm.slot_paths("n0", "j", 0, world)
+    shm.create_slots(paths, manifest, 4096)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    try:
+        yield state, worker, daemon
+    finally:
+        worker.close()
+        daemon.close()

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ffstate import layout, shm
 from ffstate.commit import SlotWriter
 from ffstate.daemon.drain import Drainer, agent_of
 from ffstate.ids import ShardKey
+from helpers import worker_and_daemon_slots
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,19 +22,10 @@ pytestmark = pytest.mark.timeout(60)
 def rank(tmp_path, monkeypatch):
     """Rank 0 of 2 of job ``j``, committed and replicated at step 7: (its shard as the drainer sees it, its worker's
     view of the slots)."""
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    state = {"w": torch.ones(100)}
-    manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "j", 0, 2)
-    shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
-    SlotWriter(worker).commit(state, 7)
-    worker.set_worker(os.getpid(), "")
-    try:
+    with worker_and_daemon_slots(tmp_path, monkeypatch, {"w": torch.ones(100)}, world=2) as (state, worker, daemon):
+        SlotWriter(worker).commit(state, 7)
+        worker.set_worker(os.getpid(), "")
         yield SimpleNamespace(key=ShardKey("j", 0, 2), holders=["peer:1"], slots=daemon, replicated_version=7), worker
-    finally:
-        worker.close()
-        daemon.close()
 
 
 def until(drainer: Drainer, state: str) -> None:

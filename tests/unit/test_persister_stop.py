@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ffstate import layout, persist, shm
+from ffstate import persist
 from ffstate.commit import SlotWriter
 from ffstate.daemon import persister as persister_module
 from ffstate.daemon.persister import Persister, _one_world
 from ffstate.errors import ReplicaError
 from ffstate.ids import ShardKey
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, worker_and_daemon_slots
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,21 +28,13 @@ def states(n: int) -> list[dict]:
 @pytest.fixture
 def rank_slots(tmp_path, monkeypatch):
     """Rank 0 of 1 of job ``j`` after 3 commits: its slots hold versions 3 and 2; yields (shard, states)."""
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
     got = states(3)
-    manifest = layout.describe(got[0])
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
-    writer = SlotWriter(worker)
-    for v, state in enumerate(got, 1):
-        writer.commit(state, v)
-    writer.flush()
-    try:
+    with worker_and_daemon_slots(tmp_path, monkeypatch, got[0]) as (_, worker, daemon):
+        writer = SlotWriter(worker)
+        for v, state in enumerate(got, 1):
+            writer.commit(state, v)
+        writer.flush()
         yield SimpleNamespace(key=ShardKey("j", 0, 1), slots=daemon, persist_keys=None), got
-    finally:
-        worker.close()
-        daemon.close()
 
 
 class Budget:

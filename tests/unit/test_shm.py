@@ -1,7 +1,6 @@
 """ffstate/shm/: the slot header as the worker writes it and the daemon reads it (the same files mapped twice,
 in one process), and the doorbell's best effort."""
 
-import contextlib
 import ctypes
 import time
 
@@ -11,24 +10,7 @@ from ffstate import layout, shm
 from ffstate.scheduling import profiling
 from ffstate.commit import SlotWriter
 from ffstate.scheduling.scheduler import Timeline
-
-
-@contextlib.contextmanager
-def worker_and_daemon_slots(tmp_path, monkeypatch):
-    """One rank's slots, as its worker and its daemon map them; yields (a state, worker's, daemon's)."""
-    import torch
-
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    state = {"w": torch.zeros(10)}
-    manifest = layout.describe(state)
-    paths = shm.slot_paths("n0", "j", 0, 1)
-    shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
-    try:
-        yield state, worker, daemon
-    finally:
-        worker.close()
-        daemon.close()
+from helpers import worker_and_daemon_slots
 
 
 def test_worker_marks_reach_the_daemon_through_the_slot_header(tmp_path, monkeypatch):
