@@ -184,8 +184,8 @@ class Config:
         priority(self.daemon_nice, "daemon_nice")
         if self.resize_rng not in RESIZE_RNG:
             raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
-        if not self.drain_hold > 0:
-            raise ValueError(f"drain_hold must be > 0 seconds, got {self.drain_hold}")
+        if not 0 < self.drain_hold < math.inf:
+            raise ValueError(f"drain_hold must be a finite number of seconds > 0, got {self.drain_hold}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
         if self.codec_threads < 0:

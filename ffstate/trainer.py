@@ -81,6 +81,7 @@ class Replicated:
         self._last = 0
         self._t0 = time.perf_counter()
         self._paused_until = 0.0
+        self._pauses: list[float] = []  # the deadlines of the pauses open
         self._stacks = None  # the file faulthandler writes this process's stacks to, on the watchdog's SIGUSR1
         self._keys: dict | None = None  # the state's DCP key map (persist/keys.py), carried by every commit
         self._keys_tensor: torch.Tensor | None = None
@@ -203,21 +204,22 @@ class Replicated:
     @contextlib.contextmanager
     def pause(self, seconds: float | None = None) -> Iterator[None]:
         """Declares work between commits that is not a training step (an evaluation, a checkpoint, a long data
-        reshuffle): the node's daemon does not take the silence for a hang while it lasts, up to ``seconds``
-        (default ``Config.pause_limit``, an hour); its deadline counts again from the end. Pauses nest: an inner
-        one's end gives the outer one back."""
+        reshuffle): not a hang while it lasts, up to ``seconds`` (default ``Config.pause_limit``, an hour); the
+        deadline counts again from its end. Pauses nest, and may end in any order."""
         limit = self.cfg.pause_limit if seconds is None else seconds
         if not (isinstance(limit, (int, float)) and 0 < limit < math.inf):
             raise FFStateError(f"pause(seconds={seconds!r}): seconds must be a finite number > 0 (default "
                                f"Config.pause_limit, {self.cfg.pause_limit} s)")
-        outer = self._paused_until
-        self._paused_until = max(outer, time.time() + limit)
+        until = time.time() + limit
+        self._pauses.append(until)  # those open, in whatever order they end (a drain's, a user's on another thread)
+        self._paused_until = max(self._pauses)
         if self._slots is not None:
             self._slots.set_paused(self._paused_until)
         try:
             yield
         finally:
-            self._paused_until = outer if outer > time.time() else 0.0
+            self._pauses.remove(until)
+            self._paused_until = max(self._pauses, default=0.0)
             if self._slots is not None:
                 self._slots.set_paused(self._paused_until)
 

@@ -160,7 +160,8 @@ class Drainer:
             return
         stopped = [r for r in rows if r[3]]
         if d.stopped_seen and not stopped:  # draining, or drained and staying: a later request starts anew
-            d.state, d.message = "failed", "the ranks gave the drain up (Config.drain_hold) and went on training"
+            d.state, d.message = "failed", ("the ranks went on training (they gave the drain up after "
+                                            "Config.drain_hold, or were restarted)")
             log.error("drain of job %s: %s", d.job, d.message)
             return
         d.stopped_seen = d.stopped_seen or bool(stopped)

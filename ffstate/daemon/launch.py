@@ -99,7 +99,8 @@ def _compare_settings(job: Job, address: str) -> None:
     if not found:
         return
     try:
-        argv = [a.decode() for a in Path(f"/proc/{found[0].pid}/cmdline").read_bytes().split(b"\0") if a]
+        argv = [a.decode(errors="surrogateescape") for a in Path(f"/proc/{found[0].pid}/cmdline").read_bytes().split(b"\0")
+                if a]
     except OSError:
         return
     theirs = serve_flags(argv[argv.index("serve") + 1:] if "serve" in argv else [])

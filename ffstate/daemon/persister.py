@@ -86,6 +86,9 @@ class Persister:
         self._logged: dict[str, float] = {}
         self._flusher = Flusher(nice)
         self._closing = False
+        self._copying = 0  # offers claimed and still copying (a job's end waits for them as for the queue)
+        self._complete: dict[str, int] = {}  # job -> its newest complete version (stats.newest_complete: the max)
+        self._recount: set[str] = set()  # jobs whose newest complete version is read again from disk (its thread)
         self._thread = threading.Thread(target=self._run, name="ffstate-persist", daemon=True)
         self._thread.start()
         log.info("persistent tier: %s, every %d steps, keeping %d complete versions", self.root, every, keep)
@@ -131,45 +134,45 @@ class Persister:
             if claim in self._queued:
                 return
             self._queued[claim] = True
+            self._copying += 1
         try:
-            self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
-        except ReplicaError as e:
-            self._unclaim(claim)
-            self.stats.skipped += 1
-            self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
-            return
-        try:
-            copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
-        except OSError as e:  # no memory for an in-memory file
-            self.release(data.numel())
-            self._unclaim(claim)
-            self.stats.skipped += 1
-            self._failed("memory", f"{key}: version {version} not flushed: {e}", count=False)
-            return
-        if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
-            copy.close()
-            self.release(data.numel())
-            self._unclaim(claim)
-            self.stats.skipped += 1
-            return
-        self._queue_copy(key, version, copy, checksum)
+            try:
+                self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
+            except ReplicaError as e:
+                return self._skip(claim, f"{key}: version {version} not flushed: {e}")
+            try:
+                copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
+            except OSError as e:  # no memory for an in-memory file
+                self.release(data.numel())
+                return self._skip(claim, f"{key}: version {version} not flushed: {e}")
+            if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
+                copy.close()
+                self.release(data.numel())
+                return self._skip(claim)
+            self._queue_copy(key, version, copy, checksum)
+        finally:
+            with self._lock:
+                self._copying -= 1
 
     def forget_after(self, key: ShardKey, version: int) -> None:
         """``key``'s worker attached again after a restore to ``version`` (0: from the start): the steps past it are
-        redone, and their versions are to be written anew (the restore removed the dead run's folders). Forgets
-        this rank's claims on them and the node's decisions for them, and reads the newest complete version again."""
+        redone and written anew. Forgets this rank's claims and the node's decisions past it; recounts what is complete."""
         job, rank, world = key.job_id, key.rank, key.world_size
         with self._lock:
             for claim in [c for c in self._queued if c[:3] == (job, rank, world) and c[3] > version]:
                 del self._queued[claim]
             for decided in [d for d in self._decided if d[0] == job and d[1] > version]:
                 del self._decided[decided]
-        if self.stats.newest_complete > version:  # what `ffstate status` shows: a removed version is not complete
-            self.stats.newest_complete = max(persist.complete_versions(self.root / job), default=0)
+            if self._complete.get(job, 0) > version:  # removed by the restore: read again, off this (the attach's) path
+                self._recount.add(job)
 
-    def _unclaim(self, claim: tuple) -> None:
+    def _skip(self, claim: tuple, why: str = "") -> None:
+        """An offered version not queued after all: unclaimed (a job's end may write it), counted, ``why`` logged."""
         with self._lock:
             self._queued.pop(claim, None)
+        self.stats.skipped += 1
+        if why:
+            self._failed("memory", why, count=False)
 
     def _queue_copy(self, key: ShardKey, version: int, copy: Copy, checksum: int) -> None:
         with self._lock:
@@ -180,12 +183,11 @@ class Persister:
 
     def final(self, shards: list, wait: float = FINAL_WAIT, every_committed: bool = False) -> list[str]:
         """The job ended: the last committed version of each of its local ``shards`` (``LocalShard``) is flushed
-        whatever its step (unless it was already), and the flushes waited for, at most ``wait`` seconds. With
-        ``every_committed``, each version their slots hold committed (the newest two), the older first: a
-        synchronous job stopped by a signal to every process stops with its ranks up to a step apart, and the
-        newest version every rank reached is in each rank's slots (commits on the CPU: a GPU's staged commit is
-        published a step late, and its ranks may share none). Returns what happened, a line per rank and version
-        (for the daemon's log)."""
+        whatever its step (unless it was already), and the flushes (and offers copying) waited for, at most ``wait``
+        seconds. With ``every_committed``, each version their slots hold (the newest two), the older first: a job
+        stopped by a signal to every process has its ranks at most a step apart, so the newest version every rank
+        reached is in each rank's slots (on the CPU; a GPU's staged commit is published a step late). Returns what
+        happened, a line per rank and version (for the daemon's log)."""
         said = []
         if every_committed:  # the older versions first (likelier every rank's), of jobs at one world size
             shards = _one_world(shards, said)
@@ -196,17 +198,15 @@ class Persister:
             if line := self._final_copy(shards[i], want):
                 said.append(line)
         deadline = time.monotonic() + wait
-        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+        while (self._queue.unfinished_tasks or self._copying) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if self._queue.unfinished_tasks:
+        if self._queue.unfinished_tasks or self._copying:
             said.append(f"not all written within {wait:.0f}s")
         return said
 
     def _final_copy(self, shard, want: int) -> str:
-        """Queues version ``want`` (0: the newest) of a local ``shard`` for writing, unless it is complete on disk or
-        queued already: read from its slot straight into the copy the flushing process writes, whose bytes are
-        counted against the memory budget before any is read (no private copy in between). Returns what happened
-        ("" when the slots hold no committed version)."""
+        """Queues version ``want`` (0: the newest) of ``shard``, unless complete on disk or queued: read from its slot
+        straight into the flushing process's copy, counted against the budget first. Returns what happened, or ""."""
         key = shard.key
         if not want:  # the newest, named first: one written or queued already is said so, and not copied again
             committed = _committed(shard)
@@ -223,7 +223,7 @@ class Persister:
         made: list[Copy] = []  # the try in hand (one the worker's rewrite spoilt is closed before the next)
 
         def take(view) -> tuple[Copy, int]:
-            while made:
+            while made:  # a spoilt try's
                 made.pop().close()
             manifest = shard.slots.manifest.with_scalars(view.scalars)
             made.append(Copy(view.data, {"manifest": manifest.to_json().decode(), "keys": shard.persist_keys or {}}))
@@ -240,21 +240,19 @@ class Persister:
             if isinstance(e, (SlotError, OSError, *GONE)):  # torn, rewritten all along, dropped meanwhile; no memory
                 return f"{key}: version {want} cannot be read: {type(e).__name__}: {e}"
             raise
-        view, copy = got
-        claim = (key.job_id, key.rank, key.world_size, view.version)
-        done = self._flushed_already(key, view.version)
-        with self._lock:  # this rank's copy, not the node's decision: a rank's may have been skipped
-            if not done and claim in self._queued:
-                done = f"{key}: version {view.version} was flushed already"
+        view, copy = got  # view.version is want
+        claim = (key.job_id, key.rank, key.world_size, want)
+        with self._lock:  # this rank's copy (not the node's decision): unless an offer claimed it meanwhile
+            done = claim in self._queued
             if not done:  # claimed: a job's end and the daemon's stop never both write it
                 self._queued[claim] = True
-                self._decided[(key.job_id, view.version)] = True
+                self._decided[(key.job_id, want)] = True
         if done:
             copy.close()
             self.release(nbytes)
-            return done
-        self._queue_copy(key, view.version, copy, view.checksum)
-        return f"{key}: version {view.version} flushed"
+            return f"{key}: version {want} was flushed already"
+        self._queue_copy(key, want, copy, view.checksum)
+        return f"{key}: version {want} flushed"
 
     def _flushed_already(self, key: ShardKey, version: int) -> str:
         if (persist.version_dir(self.root / key.job_id, version) / persist.COMPLETE).exists():  # never rewritten
@@ -282,7 +280,12 @@ class Persister:
 
     def _note_reached(self) -> None:
         """The newest version taken per job, to ``reached-<node>.json`` beside its versions (best effort): a resume
-        from disk counts its steps lost from it."""
+        from disk counts its steps lost from it. And the newest complete version of a job a restore stepped back."""
+        with self._lock:
+            recount, self._recount = self._recount, set()
+        for job in recount:
+            self._complete[job] = max(persist.complete_versions(self.root / job), default=0)
+            self.stats.newest_complete = max(self._complete.values(), default=0)
         for job, version in list(self._reached.items()):
             if self._noted.get(job) != version:
                 try:
@@ -347,8 +350,9 @@ class Persister:
         if "complete_error" in got:
             self._failed(got["complete_kind"], f"job {key.job_id}: {got['complete_error']}")
         elif got.get("complete"):
-            if job.version > self.stats.newest_complete:
-                self.stats.newest_complete = job.version
+            if job.version > self._complete.get(key.job_id, 0):
+                self._complete[key.job_id] = job.version
+                self.stats.newest_complete = max(self._complete.values())
                 self.stats.completed += 1
                 log.info("job %s: version %d is complete in %s", key.job_id, job.version, got["vdir"])
             for gone in got.get("pruned", []):

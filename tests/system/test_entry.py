@@ -191,6 +191,13 @@ def test_a_newcomer_s_mistakes_in_the_loop_get_clear_errors_and_pauses_nest():
                 pass
             assert ff._slots.worker().paused_until > time.time() + 50  # the outer pause holds
         assert ff._slots.worker().paused_until == 0
+        first, second = ff.pause(60), ff.pause(120)  # ended out of order (a pause of another thread's, say)
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert ff._slots.worker().paused_until > time.time() + 110
+        second.__exit__(None, None, None)
+        assert ff._slots.worker().paused_until == 0
     assert ff._last == 2
 
 

@@ -19,6 +19,9 @@ def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
         Config.from_env()
     with pytest.raises(ValueError, match="kernels"):
         Config(kernels="cuda")
+    for name in ("drain_hold", "pause_limit"):  # a pause must end (the drain's is its hold, plus a margin)
+        with pytest.raises(ValueError, match=name):
+            Config(**{name: float("inf")})
 
 
 def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):

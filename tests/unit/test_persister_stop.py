@@ -3,6 +3,7 @@ real slots in shared memory, a real flushing process, the versions read back fro
 
 import logging
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -204,3 +205,43 @@ def test_a_version_the_stop_queued_is_not_copied_again_when_the_replicator_offer
     finally:
         p.close()
     assert budget.used == 0
+
+
+def test_a_job_s_end_waits_for_the_replicator_s_copy_of_its_last_version(rank_slots, tmp_path, monkeypatch):
+    """The replicator's offer claims the job's last version and copies it (slowly, here); the job's end finds it
+    claimed and must wait for it to be written, not return at once (its daemon may exit right after)."""
+    shard, _ = rank_slots
+    p = persister(tmp_path / "store", every=1)
+    real = persister_module.Copy
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(persister_module, "Copy", slow)
+    view, data = shard.slots.read(3, lambda v: (v.data.clone(), 0))
+    offer = threading.Thread(target=p.offer, args=(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data,
+                                                   persister_module.codec.buffer_checksum(data), None, lambda: True))
+    offer.start()
+    time.sleep(0.2)  # claimed, copying
+    try:
+        assert p.final([shard]) == ["j/rank 0 of 1: version 3 was flushed already"]
+        assert persist.complete_versions(tmp_path / "store" / "j") == [3]  # written before the job's end returned
+    finally:
+        offer.join()
+        p.close()
+
+
+def test_a_restore_recounts_the_newest_complete_version_of_its_job_only(rank_slots, tmp_path):
+    shard, _ = rank_slots
+    p = persister(tmp_path / "store")
+    try:
+        p._complete.update({"other": 500, "j": 3})  # as two jobs' completions left them
+        p.stats.newest_complete = 500
+        p.forget_after(shard.key, 2)  # j restored to 2: its version 3 was removed (none on disk here)
+        deadline = time.monotonic() + 10
+        while p._complete["j"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p._complete["j"] == 0 and p.stats.newest_complete == 500
+    finally:
+        p.close()
