@@ -31,7 +31,7 @@ def set_priority(nice: int | str) -> None:
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
 
 
-# Buffers this large and larger are mapped, and unmapped when freed: twice the default segment (Config.chunk_bytes),
+# Buffers this large and larger are mapped, and unmapped when freed: twice the default segment (DEFAULT_CHUNK_BYTES),
 # so that a segment's own buffers come from the heap, and are reused.
 MMAP_THRESHOLD = 2 << 20
 
