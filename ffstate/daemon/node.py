@@ -189,8 +189,8 @@ class Node:
                         "FAILED_PRECONDITION")
                 self.replicator.reset(shard, holders, discard_after=discard_after)
                 self.drainer.forget(shard)
-                if self.persister is not None:  # the steps past v* are redone: their versions are to be written
-                    self.persister.forget_after(key, discard_after or 0)
+                if self.persister is not None and discard_after is not None:  # a restore: the steps past v* are redone
+                    self.persister.forget_after(key, discard_after)
                 log.info("worker re-attached to %s (slots %s), replicating to %s", key, [str(p) for p in shard.paths],
                          [h.address for h in shard.holders])
             else:
