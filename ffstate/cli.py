@@ -133,8 +133,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="how often the daemon looks at its workers' slots between their rings of its doorbell "
                         "(a worker rings after each commit; default 0.05)")
     p.add_argument("--max-pushes", type=int, default=48, metavar="N",
-                   help="push streams served at once; more are refused with RESOURCE_EXHAUSTED, so that stalled or "
-                        "slow pushers cannot take every thread from health checks, Inventory and Commit (default 48)")
+                   help="pushes (streamed or in one call) served at once; more are refused with RESOURCE_EXHAUSTED, so "
+                        "that stalled or slow pushers cannot take every thread from health checks, Inventory and Commit "
+                        "(default 48)")
     p.add_argument("--push-idle-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="cut off a push stream that sends no chunk for this long (default 60)")
     p.add_argument("--staged-timeout", type=float, default=300.0, metavar="SECONDS",

@@ -21,7 +21,7 @@ import grpc
 
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
-from ffstate.errors import ReplicaError, ReplicaUnavailable
+from ffstate.errors import CodecError, ReplicaError, ReplicaUnavailable
 from ffstate.reports import RazorReport
 from ffstate.wire import DEFAULT_MAX_MESSAGE, TOKEN_KEY, shard, with_payload
 
@@ -63,8 +63,12 @@ class Client:
         timeout: float = 30.0,
         retries: int = 4,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE,
+        small_push_bytes: int = wire.SMALL_PUSH_BYTES,
     ):
         self.address = address
+        # Versions whose chunks total at most this go in one PushVersion call (``in_one_call``; 0: every push
+        # streams); set to 0 at the first daemon that does not know the call (an ffstate before it).
+        self.small_push_bytes = min(small_push_bytes, max_message_bytes - (64 << 10))
         self.token = token
         self.timeout = timeout
         self.retries = retries
@@ -104,6 +108,7 @@ class Client:
                                    (lambda b: b) if m.raw_response else m.response.FromString)
         self._attach, self._lookup, self._notify = self._rpc["Attach"], self._rpc["Lookup"], self._rpc["NotifyCommit"]
         self._push, self._commit, self._fetch = self._rpc["Push"], self._rpc["Commit"], self._rpc["Fetch"]
+        self._push_version = self._rpc["PushVersion"]
         self._inventory, self._step_back, self._drop = self._rpc["Inventory"], self._rpc["StepBack"], self._rpc["Drop"]
         self._drain = self._rpc["Drain"]
 
@@ -203,26 +208,57 @@ class Client:
 
     def push(self, job_id: str, rank: int, world_size: int, version: int, packed: Packed, base_version: int = 0,
              before_chunk: Callable[[int], None] | None = None, commit: bool = False) -> pb.PushResult:
-        """Streams every chunk of ``packed`` (stages it; ``commit`` applies it, or ``commit=True`` here, in the
-        same call: the result then says the version held and its checksum).
+        """Sends every chunk of ``packed`` (stages it; ``commit`` applies it, or ``commit=True`` here, in the
+        same call: the result then says the version held and its checksum): in one PushVersion call where
+        ``in_one_call`` says so, else streamed, a chunk a message.
 
-        ``before_chunk(nbytes)`` is called before each chunk goes out: the seam where a scheduler paces
-        the sender.
+        ``before_chunk(nbytes)`` is called before each chunk goes out, or once with all the bytes of a version sent
+        in one call (they go out together): the seam where a scheduler paces the sender.
         """
         key = shard(job_id, rank, world_size)
         last = len(packed.chunks) - 1
+        what = f"push of {job_id}/{rank} version {version}"
+
+        def head(i: int, c: Chunk) -> bytes:
+            return pb.PushChunk(shard=key, version=version, base_version=base_version, chunk_index=c.index,
+                                chunk_count=c.count, checksum=c.checksum, commit=commit and i == last).SerializeToString()
 
         def messages() -> Iterator[bytes]:
             for i, c in enumerate(packed.chunks):
                 if before_chunk is not None:
                     before_chunk(len(c.payload))
-                head = pb.PushChunk(shard=key, version=version, base_version=base_version, chunk_index=c.index,
-                                    chunk_count=c.count, checksum=c.checksum,
-                                    commit=commit and i == last).SerializeToString()
-                yield with_payload(head, 7, c.payload)
+                yield with_payload(head(i, c), 7, c.payload)
 
-        return self._call(f"push of {job_id}/{rank} version {version}",
-                          lambda: self._push(messages(), **self._kw(self.timeout * 10)))
+        def in_one() -> pb.PushResult:
+            if before_chunk is not None:
+                before_chunk(total)
+            entries = [[head(i, c), wire.payload_key(7, len(c.payload)), c.payload] for i, c in enumerate(packed.chunks)]
+            return self._push_version(wire.with_entries(entries, 1), **self._kw(self.timeout * 10))
+
+        total = sum(len(c.payload) for c in packed.chunks)
+        if self.in_one_call(packed):
+            try:
+                return self._call(what, in_one)
+            except ReplicaError as e:
+                if e.code != "UNIMPLEMENTED":
+                    raise
+                log.warning("the daemon at %s does not know PushVersion (an older ffstate): every push to it "
+                            "streams; run one version of ffstate on every node", self.address)
+                self.small_push_bytes = 0
+        return self._call(what, lambda: self._push(messages(), **self._kw(self.timeout * 10)))
+
+    def in_one_call(self, packed: Packed) -> bool:
+        """Whether ``push`` sends ``packed`` in one PushVersion call: its chunks total at most ``small_push_bytes``
+        and no more than one of them may hold (the segment size it was encoded with, which the daemon's scheduler
+        chooses for the link). Pacing one such call is pacing one chunk: a larger version streams, paced chunk by
+        chunk."""
+        total = sum(len(c.payload) for c in packed.chunks)
+        if total > self.small_push_bytes:
+            return False
+        try:
+            return total <= packed.header["chunk_bytes"]
+        except CodecError:  # not a version's header: streamed, for the daemon to refuse chunk by chunk
+            return False
 
     def commit(self, job_id: str, rank: int, world_size: int, version: int) -> pb.CommitResult:
         req = pb.CommitRequest(shard=shard(job_id, rank, world_size), version=version)

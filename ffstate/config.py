@@ -313,7 +313,7 @@ class DaemonConfig:
     link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
     slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
-    max_pushes: int = 48  # push streams served at once; more are refused (RESOURCE_EXHAUSTED), so other calls get threads
+    max_pushes: int = 48  # pushes served at once (streamed or in one call); more are refused, so other calls get threads
     push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off
     staged_timeout: float = 300.0  # seconds a pushed version may wait for its Commit before it is discarded
     nice: int | str = 0  # the process's CPU priority: a niceness 0-19, or "idle" (SCHED_IDLE)

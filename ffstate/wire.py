@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 from google.protobuf.message import DecodeError, Message
 
@@ -17,6 +17,15 @@ SERVICE = "ffstate.v1.Replica"
 TOKEN_KEY = "ffstate-token"  # metadata of every call
 # gRPC messages carry one chunk plus a few fields; 64 MiB bounds a chunk (docs/design.md I6).
 DEFAULT_MAX_MESSAGE = 64 << 20
+# A version whose chunks total at most this, and no more than one of its chunks may hold, goes in one PushVersion
+# call, not a Push stream: a stream costs a thread on the sender and a wake-up a message on the holder, about half a
+# millisecond of CPU on each side a push (`ffstate bench push`). A larger version streams, and the scheduler paces
+# it chunk by chunk, at the chunk size it chose for the link.
+SMALL_PUSH_BYTES = 2 << 20
+# Bytes a chunk's message may carry beside its payload: its shard key (a job id of at most 128 characters), its
+# numbers and their framing take under 200. A message padded past it is refused: the payload stays a view of the
+# received bytes, so padding would be held with it, uncounted.
+MAX_CHUNK_FIELDS = 512
 
 
 class Method(NamedTuple):
@@ -34,6 +43,7 @@ METHODS: dict[str, Method] = {
     "Lookup": Method("unary_unary", pb.ShardKey, pb.AttachResponse),
     "NotifyCommit": Method("unary_unary", pb.CommitNotice, pb.CommitNoticeAck),
     "Push": Method("stream_unary", pb.PushChunk, pb.PushResult, raw_request=True),
+    "PushVersion": Method("unary_unary", pb.PushChunks, pb.PushResult, raw_request=True),
     "Commit": Method("unary_unary", pb.CommitRequest, pb.CommitResult),
     "Fetch": Method("unary_stream", pb.FetchRequest, pb.FetchChunk, raw_response=True),
     "Inventory": Method("unary_unary", pb.InventoryRequest, pb.InventoryResponse),
@@ -50,51 +60,97 @@ def path(method: str) -> str:
 
 def with_payload(prefix: bytes, field: int, payload: memoryview | bytes) -> bytes:
     """Appends a bytes field to a serialized message: one copy of the payload, no protobuf round trip."""
-    n = len(payload)
+    return b"".join((prefix, _key_and_length(field, len(payload)), payload))
+
+
+def with_entries(entries: list[list[bytes | memoryview]], field: int) -> bytes:
+    """A message of one repeated bytes ``field`` whose entries are each the concatenation of its pieces (a
+    ``PushChunks``: each entry a serialized ``PushChunk``, its other fields, then its payload's key and length and
+    the payload): one copy of every piece, no protobuf round trip."""
+    parts: list[bytes | memoryview] = []
+    for pieces in entries:
+        parts.append(_key_and_length(field, sum(len(p) for p in pieces)))
+        parts.extend(pieces)
+    return b"".join(parts)
+
+
+def payload_key(field: int, nbytes: int) -> bytes:
+    """The key and length that precede a bytes ``field`` of ``nbytes`` (what ``with_payload`` inserts)."""
+    return _key_and_length(field, nbytes)
+
+
+def _key_and_length(field: int, n: int) -> bytes:
     head = bytearray([(field << 3) | 2])
     while True:
         byte, n = n & 0x7F, n >> 7
         head.append(byte | (0x80 if n else 0))
         if not n:
-            break
-    return b"".join((prefix, head, payload))
+            return bytes(head)
 
 
-def split_payload(data: bytes, field: int) -> tuple[bytes, memoryview]:
-    """``with_payload`` undone on a received message: (the message without its ``field``, for protobuf to parse; a
-    view of that field's bytes, not copied). A parse that copied the payload cost 9 ms of a restore's CPU per 40 MB.
-    The scan skips over each field by its length, so it costs in proportion to the fields sent.
+def _scan(data: bytes | memoryview) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field, wire type, start, lo, hi) of every top-level field of a message, in order: ``start`` is where its key
+    is, ``data[lo:hi]`` its bytes (a length-delimited field's contents; the value of another). Each field is
+    skipped over by its length, so the scan costs in proportion to the fields sent.
 
     Raises:
         CodecError: the message is not well-formed protobuf at its top level.
     """
-    n, i, found = len(data), 0, None
+    n, i = len(data), 0
     while i < n:
         start = i
         key, i = _varint(data, i)
-        kind = key & 7
+        kind, lo = key & 7, i
         if kind == 0:
             _, i = _varint(data, i)
         elif kind == 1:
             i += 8
         elif kind == 2:
-            size, i = _varint(data, i)
-            if key >> 3 == field:
-                found = (start, i, i + size)
-            i += size
+            size, lo = _varint(data, i)
+            i = lo + size
         elif kind == 5:
             i += 4
         else:
             raise CodecError(f"malformed message: wire type {kind} at byte {start}")
         if i > n:
             raise CodecError(f"malformed message: a field at byte {start} runs past its end ({n} bytes)")
+        yield key >> 3, kind, start, lo, i
+
+
+def split_payload(data: bytes | memoryview, field: int) -> tuple[bytes, memoryview]:
+    """``with_payload`` undone on a received message: (the message without its ``field``, for protobuf to parse; a
+    view of that field's bytes, not copied). A parse that copied the payload cost 9 ms of a restore's CPU per 40 MB.
+
+    Raises:
+        CodecError: the message is not well-formed protobuf at its top level.
+    """
+    found = None
+    for f, kind, start, lo, hi in _scan(data):
+        if f == field and kind == 2:
+            found = (start, lo, hi)
     if found is None:
-        return data, memoryview(b"")
+        return bytes(data), memoryview(b"")
     start, lo, hi = found
-    return data[:start] + data[hi:], memoryview(data)[lo:hi]
+    return bytes(data[:start]) + bytes(data[hi:]), memoryview(data)[lo:hi]
 
 
-def parse_with_payload(data: bytes, message: type, field: int) -> tuple[Any, memoryview]:
+def split_entries(data: bytes, field: int) -> Iterator[memoryview]:
+    """``with_entries`` undone, lazily: a view of each entry of the repeated bytes ``field``, in order, none copied.
+    A consumer that refuses an entry stops the scan there: a malformed message costs what was read of it.
+
+    Raises:
+        CodecError: the message is malformed, or holds another field (it would be held with the views, uncounted),
+            when the scan reaches the fault.
+    """
+    view = memoryview(data)
+    for f, kind, start, lo, hi in _scan(view):
+        if f != field or kind != 2:
+            raise CodecError(f"malformed message: field {f} (wire type {kind}) at byte {start}; it holds the bytes "
+                             f"of field {field} alone")
+        yield view[lo:hi]
+
+
+def parse_with_payload(data: bytes | memoryview, message: type, field: int) -> tuple[Any, memoryview]:
     """A received message framed by ``with_payload``: (its other fields parsed by protobuf, its payload's view).
 
     Raises:

@@ -100,6 +100,12 @@ class PushChunk(_message.Message):
     commit: bool
     def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
 
+class PushChunks(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, chunks: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class PushResult(_message.Message):
     __slots__ = ("staged_version", "bytes_received", "committed_version", "checksum")
     STAGED_VERSION_FIELD_NUMBER: _ClassVar[int]

@@ -54,6 +54,11 @@ class ReplicaStub:
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.PushChunk.SerializeToString,
                 response_deserializer=ffstate_dot_v1_dot_replica__pb2.PushResult.FromString,
                 _registered_method=True)
+        self.PushVersion = channel.unary_unary(
+                '/ffstate.v1.Replica/PushVersion',
+                request_serializer=ffstate_dot_v1_dot_replica__pb2.PushChunks.SerializeToString,
+                response_deserializer=ffstate_dot_v1_dot_replica__pb2.PushResult.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/ffstate.v1.Replica/Commit',
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.CommitRequest.SerializeToString,
@@ -115,6 +120,16 @@ class ReplicaServicer:
     def Push(self, request_iterator, context):
         """Client-streaming: every chunk of one version of one shard, in order. The version is staged
         (each chunk verified) and applied by Commit, or in the same call when its last chunk says commit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushVersion(self, request, context):
+        """Unary: every chunk of one small version in one message (PushChunks), staged, checked and applied as Push
+        does them. A client sends a version this way when its chunks total at most 2 MiB and no more than one of
+        them may hold (pacing the call is pacing one chunk): a stream's per-call cost (a thread on the sender, a
+        wake-up a message on the holder) was most of such a push's CPU.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -186,6 +201,11 @@ def add_ReplicaServicer_to_server(servicer, server):
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.PushChunk.FromString,
+                    response_serializer=ffstate_dot_v1_dot_replica__pb2.PushResult.SerializeToString,
+            ),
+            'PushVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushVersion,
+                    request_deserializer=ffstate_dot_v1_dot_replica__pb2.PushChunks.FromString,
                     response_serializer=ffstate_dot_v1_dot_replica__pb2.PushResult.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
@@ -326,6 +346,33 @@ class Replica:
             target,
             '/ffstate.v1.Replica/Push',
             ffstate_dot_v1_dot_replica__pb2.PushChunk.SerializeToString,
+            ffstate_dot_v1_dot_replica__pb2.PushResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ffstate.v1.Replica/PushVersion',
+            ffstate_dot_v1_dot_replica__pb2.PushChunks.SerializeToString,
             ffstate_dot_v1_dot_replica__pb2.PushResult.FromString,
             options,
             channel_credentials,

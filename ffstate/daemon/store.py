@@ -192,6 +192,8 @@ class Store:
             raise ReplicaError(f"chunk {c.index} belongs to {c.key} version {c.version} (base {c.base_version}, "
                                f"{c.count} chunks), the stream started {first.key} version {first.version} "
                                f"(base {first.base_version}, {first.count} chunks)", "INVALID_ARGUMENT")
+        if c.index >= c.count:
+            raise ReplicaError(f"chunk {c.index} is past the version's {c.count} chunks", "INVALID_ARGUMENT")
         if c.index < expected:
             raise ReplicaError(f"duplicate chunk {c.index} (expected chunk {expected})", "INVALID_ARGUMENT")
         if c.index != expected:

@@ -20,7 +20,7 @@ from helpers import train_states  # noqa: E402
 def main() -> None:
     address, job = sys.argv[1], sys.argv[2]
     s1, s2 = list(train_states(2))
-    client = Client(address, os.environ["FFSTATE_TOKEN"])
+    client = Client(address, os.environ["FFSTATE_TOKEN"], small_push_bytes=0)  # streamed, however small
     client.push_and_commit(job, 0, 1, 1, codec.encode(s1, chunk_bytes=64 << 10))
     print("committed 1", flush=True)
     sent = 0

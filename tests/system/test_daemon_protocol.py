@@ -60,10 +60,14 @@ def messages(packed, version, base_version=0, key=None, **override):
             for c in packed.chunks]
 
 
-def push_raw(stub, msgs, token=TOKEN):
+def push_raw(stub, msgs, token=TOKEN, way="stream"):
+    """``msgs`` sent as a Push stream, or (way "one call") in one PushVersion message; the error it gets."""
     meta = () if token is None else (("ffstate-token", token),)
     with pytest.raises(grpc.RpcError) as e:
-        stub.Push(iter(msgs), metadata=meta, timeout=30)
+        if way == "stream":
+            stub.Push(iter(msgs), metadata=meta, timeout=30)
+        else:
+            stub.PushVersion(pb.PushChunks(chunks=[m.SerializeToString() for m in msgs]), metadata=meta, timeout=30)
     return e.value
 
 
@@ -78,6 +82,7 @@ def test_token_is_checked_on_every_rpc(held, states):
     delta = codec.encode(states[1], states[0], chunk_bytes=CHUNK)
     for token in (None, "wrong"):
         assert push_raw(stub, messages(delta, 2, 1), token).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert push_raw(stub, messages(delta, 2, 1), token, "one call").code() == grpc.StatusCode.UNAUTHENTICATED
         with pytest.raises(grpc.RpcError) as e:
             stub.Inventory(pb.InventoryRequest(), metadata=() if token is None else (("ffstate-token", token),))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -173,7 +178,8 @@ def swap(msgs, i, j):
         ("message over the limit", grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     ],
 )
-def test_bad_push_gets_a_precise_status_and_changes_nothing(shared_held, states, case, code, text):
+@pytest.mark.parametrize("way", ["stream", "one call"])
+def test_bad_push_gets_a_precise_status_and_changes_nothing(shared_held, states, case, code, text, way):
     d, stub = shared_held
     delta = codec.encode(states[1], states[0], chunk_bytes=CHUNK)
     assert len(delta.chunks) >= 4
@@ -207,7 +213,7 @@ def test_bad_push_gets_a_precise_status_and_changes_nothing(shared_held, states,
     else:  # beyond the gRPC message limit itself
         big = np.zeros(3 << 20, dtype=np.uint8)
         msgs = messages(Packed([Chunk.of(0, 1, big)]), 2, 0)
-    err = push_raw(stub, msgs)
+    err = push_raw(stub, msgs, way=way)
     assert err.code() == code, err.details()
     assert text in (err.details() or "")
     assert_still_version_1(d, states)

@@ -1,5 +1,13 @@
 """ffstate/wire.py: the method table's framing and the reports' conversion to and from protobuf."""
 
+import numpy as np
+import pytest
+
+from ffstate import wire
+from ffstate._proto import replica_pb2 as pb
+from ffstate.errors import CodecError
+
+
 def test_reports_cross_the_wire_field_for_field():
     """The servicer and the client convert the daemon's reports through one function pair: a report survives
     the round trip through its protobuf message, nested records, lists and unset ones included; the daemon's
@@ -59,3 +67,27 @@ def test_a_received_payload_is_split_off_without_a_copy_and_malformed_messages_a
                       (b"\x08" + b"\xff" * 11, "too long"), (b"\x02\x00", "malformed FetchChunk")):
         with pytest.raises(CodecError, match=text):
             wire.parse_with_payload(bad, pb.FetchChunk, 5)
+
+
+def test_entries_frame_and_split_back_as_views_and_a_field_past_the_end_is_refused():
+    payloads = [np.arange(n, dtype=np.uint8) for n in (0, 1, 300, 70000)]
+    entries = [[b"\x08\x01", wire.payload_key(7, p.size), memoryview(p)] for p in payloads]
+    body = wire.with_entries(entries, 1)
+    assert pb.PushChunks.FromString(body).chunks == [b"".join(bytes(x) for x in e) for e in entries]
+    got = list(wire.split_entries(body, 1))
+    assert all(isinstance(v, memoryview) for v in got)
+    for view, p in zip(got, payloads, strict=True):
+        m, payload = wire.parse_with_payload(view, pb.PushChunk, 7)
+        assert m.shard.job_id == "" and bytes(payload) == p.tobytes()
+    with pytest.raises(CodecError, match="runs past its end"):
+        list(wire.split_entries(body[:-1], 1))
+    assert list(wire.split_entries(b"", 1)) == []
+    # what was scanned before the fault came out first: a consumer that refuses it never reads the rest
+    it = wire.split_entries(body + b"\x0a\xff\xff\xff\xff\x0f", 1)
+    assert [bytes(next(it)) for _ in payloads] == [b"".join(bytes(x) for x in e) for e in entries]
+    with pytest.raises(CodecError, match="runs past its end"):
+        next(it)
+    assert all(v.obj is body for v in wire.split_entries(body, 1))  # views of the message, not copies
+    for other in (b"\x12\x00", b"\x08\x01", b"\x0d\0\0\0\0"):  # field 2; field 1 as a varint; as fixed32
+        with pytest.raises(CodecError, match="alone"):
+            list(wire.split_entries(body + other, 1))
