@@ -77,6 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 BENCHMARKS = {  # ffstate bench NAME: the module of ffstate.bench that runs it, and its help line
     "codec": "encode and decode vs a plain copy, and the compression, on fp32 and bf16 AdamW state",
     "bandwidth": "gRPC push/fetch over a chunk-size sweep vs raw TCP and gloo",
+    "push": "a version's push: the holder's and the sender's CPU, streamed vs in one call",
     "capture": "commit hold time vs a copy; local and remote restore vs copy and transport",
     "overhead": "step time and bytes replicated per step: ffstate off, on, razor off/on",
     "recovery": "ffstate vs torch.save and DCP: equal protection, equal overhead",

@@ -12,6 +12,7 @@ import pytest
 @pytest.mark.parametrize("args, name", [
     (["codec", "--size", "small", "--steps", "2", "--repeats", "1", "--threads", "1"], "codec-cpu"),
     (["bandwidth", "--size", "1M", "--chunks", "256K", "--repeats", "1"], "bandwidth"),
+    (["push", "--sizes", "64K,4M", "--pushes", "20", "--rounds", "2"], "push"),
     (["capture", "--size", "small", "--repeats", "1"], "capture"),
     (["recovery", "--sizes", "small", "--repeats", "1", "--resize"], "recovery"),
     (["overhead", "--parallel", "ddp", "--modes", "off,naive,persist,async-save", "--steps", "4", "--repeats",
@@ -27,6 +28,11 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     if name == "bandwidth":  # a local daemon: the CPU a push costs it and the client, measured
         row = result["grpc"][str(256 << 10)]
         assert row["push_holder_cpu_s_per_GB"] is not None and row["push_client_cpu_s_per_GB"] is not None
+    if name == "push":  # both ways measured, on both sides of the one-call limit
+        for size, ones in ((64 << 10, 19), (4 << 20, 0)):
+            row = result["sizes"][str(size)]
+            assert row["deltas_in_one_call"] == ones
+            assert all(len(w["holder_seconds"]) == 2 and min(w["wall_seconds"]) > 0 for w in row["ways"].values())
     if name == "overhead":
         naive = result["jobs"]["ddp @ loopback"]["naive"]
         assert naive["commit_seconds"] > 0 and naive["wire_bytes_per_step_per_rank"] > 0
