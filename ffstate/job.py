@@ -50,6 +50,10 @@ class Job:
         self.topology = placement.topology(self.rank, self.world, cfg)
         # torchrun's restart count, or the in-process engine's restart (ffstate/inprocess/), in the job's events
         self.attempt = int(os.environ.get("FFSTATE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        # A launcher that starts this rank again after an error: torchrun's agent, or the in-process engine (which
+        # enters ffstate.replicate again in the same process). Without one, a process that leaves with an error
+        # may go on with other work (a notebook, a script that caught it).
+        self.relaunched = bool(os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("FFSTATE_ATTEMPT"))
         self.generation = self._generation()  # this attempt's name, the same on every rank
         self.prefix = f"ffstate/{self.job}/{self.generation}"
         self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"

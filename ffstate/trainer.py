@@ -78,8 +78,7 @@ class Replicated:
         self._restore_report: tuple | None = None  # for the daemon, at the next attach (its metrics, `ffstate status`)
         self._slots: shm.Slots | None = None
         self._writer: SlotWriter | None = None
-        self._last = 0
-        self._t0 = time.perf_counter()
+        self._last, self._t0 = 0, time.perf_counter()
         self._paused_until = 0.0
         self._pauses: list[float] = []  # the deadlines of the pauses open
         self._stacks = None  # the file faulthandler writes this process's stacks to, on the watchdog's SIGUSR1
@@ -149,8 +148,9 @@ class Replicated:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # torchrun restarts the group: leave every copy where it is
-            log.warning("rank %d: leaving with %s; replicas kept for the restart", self.rank, exc_type.__name__)
-            self._close()
+            log.warning("rank %d: leaving with %s; replicas kept for the restart%s", self.rank, exc_type.__name__,
+                        "" if self.job.relaunched else " (no launcher restarts this process: not watched for hangs)")
+            self._close(watched=self.job.relaunched)  # a notebook, a caught error: the process is not a hung rank
             return
         lag, job = self.lag, self.job
         try:
@@ -223,9 +223,9 @@ class Replicated:
             if self._slots is not None:
                 self._slots.set_paused(self._paused_until)
 
-    def _close(self) -> None:
+    def _close(self, watched: bool = True) -> None:
         if self._slots is not None:  # first: the daemon asks for stacks only where the record names a file
-            self._slots.set_left()
+            self._slots.set_left(watched)
         if self._stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
             self._stacks.close()

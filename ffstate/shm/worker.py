@@ -63,16 +63,19 @@ class WorkerFields:
         h.commit_count = 0
         h.worker_pid = pid
 
-    def set_left(self) -> None:
+    def set_left(self, watched: bool = True) -> None:
         """The worker left ``ffstate.replicate`` (its ``faulthandler`` for SIGUSR1 unregistered after this): no
-        stacks to ask it for, and until it attaches again (an in-process restart enters again in the same process;
-        under torchrun it exits) its deadline is the startup allowance, counted from now."""
+        stacks to ask it for. ``watched``: until it attaches again (an in-process restart enters again in the same
+        process; under torchrun it exits) its deadline is the startup allowance, counted from now. Not ``watched``
+        (no launcher starts it again: the process goes on with other work), the watchdog forgets its process."""
         if not self.headers:  # closed already
             return
         h = self.headers[0]
         h.stacks_len = 0
         h.alive_ns = time.time_ns()
         h.commit_count = 0
+        if not watched:
+            h.worker_pid = 0
 
     def set_commit_seconds(self, seconds: float) -> None:
         """How long the worker's newest commit held its training loop (the daemon's metrics report it)."""

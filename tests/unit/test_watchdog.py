@@ -298,6 +298,13 @@ def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startu
         clock["now"] += 30.0  # past the allowance: acted on, without the signal it has no handler for
         dog.look()
         assert signals[2:] == [(51, signal.SIGKILL)]
+        slots["left"][0].set_worker(53, "")  # attached again, then left with no launcher to start it again
+        slots["left"][0].set_left(watched=False)
+        assert slots["left"][1].worker() is None
+        for _ in range(3):
+            clock["now"] += 100.0  # far past every deadline: its process is not the watchdog's any more
+            dog.look()
+        assert all(pid != 53 for pid, _ in signals), signals
     finally:
         for pair in slots.values():
             for s in pair:
