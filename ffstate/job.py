@@ -50,10 +50,11 @@ class Job:
         self.topology = placement.topology(self.rank, self.world, cfg)
         # torchrun's restart count, or the in-process engine's restart (ffstate/inprocess/), in the job's events
         self.attempt = int(os.environ.get("FFSTATE_ATTEMPT") or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        # A launcher that starts this rank again after an error: torchrun's agent, or the in-process engine (which
-        # enters ffstate.replicate again in the same process). Without one, a process that leaves with an error
-        # may go on with other work (a notebook, a script that caught it).
-        self.relaunched = bool(os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("FFSTATE_ATTEMPT"))
+        # Whether the watchdog watches a rank that left ffstate.replicate with an error, until it exits or enters again:
+        # launched by torchrun's agent, run by the in-process engine (which enters again in the same process), or one
+        # of several ranks. A single process without a launcher may go on with other work (a notebook, a caught error).
+        self.watched_after_error = bool(os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("FFSTATE_ATTEMPT")
+                                        or self.world > 1)
         self.generation = self._generation()  # this attempt's name, the same on every rank
         self.prefix = f"ffstate/{self.job}/{self.generation}"
         self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"

@@ -149,8 +149,8 @@ class Replicated:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # torchrun restarts the group: leave every copy where it is
             log.warning("rank %d: leaving with %s; replicas kept for the restart%s", self.rank, exc_type.__name__,
-                        "" if self.job.relaunched else " (no launcher restarts this process: not watched for hangs)")
-            self._close(watched=self.job.relaunched)  # a notebook, a caught error: the process is not a hung rank
+                        "" if self.job.watched_after_error else " (one process, no launcher: not watched for hangs)")
+            self._close(self.job.watched_after_error)
             return
         lag, job = self.lag, self.job
         try:

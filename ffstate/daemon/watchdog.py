@@ -163,7 +163,8 @@ class Watchdog:
             for job in set(self.held_seen) - {k.job_id for k in seen}:
                 del self.held_seen[job]
             for key, (worker, commits, intervals, count) in seen.items():
-                if worker is None:
+                if worker is None:  # none attached yet, or it left unwatched: nothing of a process it had is kept
+                    self.ranks.pop(key, None)
                     continue
                 w = self.ranks.get(key)
                 if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh

@@ -88,8 +88,8 @@ def test_a_rank_that_left_replicate_and_stays_in_its_process_is_not_taken_for_hu
     - **An in-process restart's rank** (``FFSTATE_ATTEMPT``, which the engine sets) enters again in the same process,
       and may take longer than the step-based deadline to come back (the engine's restart, a new process group, a
       restore, a compile): it stays 4 s within its 30 s startup allowance, and is still watched after it.
-    - **A process no launcher restarts** (a notebook, a script that caught the error) goes on with other work: it
-      stays 8 s, past its 4 s allowance, and is no longer watched. The watchdog killed it before."""
+    - **A single process no launcher started** (a notebook, a script that caught the error) goes on with other work:
+      it stays 8 s, past its 4 s allowance, and is no longer watched. The watchdog killed it before."""
     script = Path(__file__).resolve().parents[1] / "procs" / "single.py"
     runs = {"in-process": ({"FFSTATE_ATTEMPT": "0", "FFSTATE_HANG_STARTUP": "30"}, "4"),
             "no launcher": ({"FFSTATE_HANG_STARTUP": "4"}, "8")}
@@ -115,3 +115,4 @@ def test_a_rank_that_left_replicate_and_stays_in_its_process_is_not_taken_for_hu
         assert rc == 0 and "stayed" in out, (name, rc, err[-3000:])
         assert "is hung" not in logs[name], (name, logs[name][-3000:])
     assert "not watched for hangs" in got["no launcher"][0][1] and "not watched" not in got["in-process"][0][1]
+    assert "rank 0: leaving with InterruptedError" in got["in-process"][0][1]  # left, and still watched

@@ -298,14 +298,60 @@ def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startu
         clock["now"] += 30.0  # past the allowance: acted on, without the signal it has no handler for
         dog.look()
         assert signals[2:] == [(51, signal.SIGKILL)]
-        slots["left"][0].set_worker(53, "")  # attached again, then left with no launcher to start it again
-        slots["left"][0].set_left(watched=False)
-        assert slots["left"][1].worker() is None
-        for _ in range(3):
-            clock["now"] += 100.0  # far past every deadline: its process is not the watchdog's any more
-            dog.look()
-        assert all(pid != 53 for pid, _ in signals), signals
     finally:
         for pair in slots.values():
             for s in pair:
                 s.close()
+
+
+def test_a_process_that_left_unwatched_is_forgotten_and_not_taken_along_by_another_rank_s_hang(tmp_path, monkeypatch):
+    """One process, no launcher: a rank that leaves ``ffstate.replicate`` with an error and goes on is no longer the
+    watchdog's (``set_left(watched=False)``), at once: when another rank of its job hangs later, the job's local
+    ranks are acted on, and the process that left is not one of them (its stale watch took it along before)."""
+    import time
+
+    import torch
+
+    from ffstate import layout, shm
+    from ffstate.commit import SlotWriter
+
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
+    state = {"w": torch.zeros(10)}
+    manifest = layout.describe(state)
+    keys = [ShardKey("j", 0, 2), ShardKey("j", 1, 2)]
+    pairs = []
+    for key in keys:
+        paths = shm.slot_paths("n0", key.job_id, key.rank, key.world_size)
+        shm.create_slots(paths, manifest, 4096)
+        pairs.append((shm.Slots(paths, manifest), shm.Slots(paths, manifest)))  # (the worker's, the daemon's)
+    clock = {"now": time.time()}
+    signals: list[tuple[int, int]] = []
+    dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0),
+                   lambda: [(k, pair[1]) for k, pair in zip(keys, pairs)], kill=lambda pid, sig: signals.append((pid, sig)),
+                   clock=lambda: clock["now"], sleep=lambda s: None)
+    try:
+        for pid, (worker, _) in zip((61, 62), pairs):
+            worker.set_worker(pid, "")
+            writer = SlotWriter(worker)
+            for v in range(1, 6):
+                writer.commit(state, v)
+                time.sleep(0.01)
+        clock["now"] = time.time()
+        dog.look()
+        assert dog.report(keys[0]).deadline_seconds == 2.0 and dog.report(keys[1]).deadline_seconds == 2.0
+        pairs[0][0].set_left(watched=False)
+        dog.look()
+        assert pairs[0][1].worker() is None and dog.report(keys[0]) is None
+        clock["now"] += 3.0  # rank 1 past its deadline
+        dog.look()
+        assert signals == [(62, signal.SIGKILL)], signals
+        for _ in range(3):
+            clock["now"] += 100.0  # far past every deadline and allowance
+            dog.look()
+        assert all(pid != 61 for pid, _ in signals), signals
+    finally:
+        for pair in pairs:
+            for sl in pair:
+                sl.close()
+
