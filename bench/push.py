@@ -142,8 +142,8 @@ def plot(result: dict, path: Path) -> Path | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="64K,768K,1536K,8M",
-                   help="bytes of state a version, comma-separated (default 64K,768K,1536K,8M: the deltas of the "
-                        "last two are larger than one of their chunks, and stream both ways)")
+                   help="bytes of state a version, comma-separated (default 64K,768K,1536K,8M: 8M's deltas are "
+                        "larger than one of their chunks, and stream both ways)")
     p.add_argument("--pushes", type=int, default=200, help="pushes a round, rounded up to whole cycles of 20 "
                                                            "(default 200)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds a way; medians are reported (default 5)")

@@ -242,9 +242,11 @@ class Client:
             except ReplicaError as e:
                 if e.code != "UNIMPLEMENTED":
                     raise
-                log.warning("the daemon at %s does not know PushVersion (an older ffstate): every push to it "
-                            "streams; run one version of ffstate on every node", self.address)
+                if self.small_push_bytes:  # another thread's push may have found it first
+                    log.warning("the daemon at %s does not know PushVersion (an older ffstate): every push to it "
+                                "streams; run one version of ffstate on every node", self.address)
                 self.small_push_bytes = 0
+                before_chunk = None  # paced already, as one
         return self._call(what, lambda: self._push(messages(), **self._kw(self.timeout * 10)))
 
     def in_one_call(self, packed: Packed) -> bool:

@@ -19,7 +19,7 @@ TOKEN_KEY = "ffstate-token"  # metadata of every call
 DEFAULT_MAX_MESSAGE = 64 << 20
 # A version whose chunks total at most this, and no more than one of its chunks may hold, goes in one PushVersion
 # call, not a Push stream: a stream costs a thread on the sender and a wake-up a message on the holder, about half a
-# millisecond of CPU on each side a push (`ffstate bench push`). A larger version streams, and the scheduler paces
+# millisecond of CPU a push on the two sides together (`ffstate bench push`). A larger version streams, and the scheduler paces
 # it chunk by chunk, at the chunk size it chose for the link.
 SMALL_PUSH_BYTES = 2 << 20
 # Bytes a chunk's message may carry beside its payload: its shard key (a job id of at most 128 characters), its

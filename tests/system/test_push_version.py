@@ -120,8 +120,14 @@ def test_a_daemon_that_does_not_know_the_call_gets_streams_and_the_client_says_s
     try:
         with Client(f"127.0.0.1:{port}", token) as c, caplog.at_level(logging.WARNING, logger="ffstate.client"):
             stream, one = counted(c)
-            c.push_and_commit(JOB, 0, 1, 1, codec.encode(little[0]))
-            c.push_and_commit(JOB, 0, 1, 2, codec.encode(little[1], little[0]), base_version=1)
+            paced: list[int] = []
+            first = codec.encode(little[0])
+            c.push_and_commit(JOB, 0, 1, 1, first, before_chunk=paced.append)
+            assert paced == [sum(len(x.payload) for x in first.chunks)]  # paced once, as one call: not again
+            paced.clear()
+            delta = codec.encode(little[1], little[0])
+            c.push_and_commit(JOB, 0, 1, 2, delta, base_version=1, before_chunk=paced.append)
+            assert paced == [len(x.payload) for x in delta.chunks]
             assert (one.calls, stream.calls) == (1, 2)  # one refused call, then streams only
             assert c.small_push_bytes == 0
             assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1)), little[1])
