@@ -1,6 +1,7 @@
 """The watchdog's rules on fake slots and a fake clock: the deadline from the median step (floor, ceiling, the
 first steps' allowance), a declared pause, the stacks asked for before the kill, once per attach; stragglers."""
 
+import contextlib
 import os
 import signal
 
@@ -252,11 +253,11 @@ def test_steps_much_shorter_than_a_look_end_the_warm_up_and_a_hang_after_them_is
     assert (slots.record.pid, signal.SIGKILL) in signals
 
 
-def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startup_allowance(tmp_path, monkeypatch):
-    """Under the in-process engine a rank leaves ``ffstate.replicate`` at a restart and stays in its process, its
-    SIGUSR1 handler (``faulthandler``) unregistered, until it enters again. Its record (real slots, as the worker
-    writes them) then names no stacks file and restarts the warm-up: the restart is not taken for a hang at the
-    step-based deadline, and the signal that would end a process without the handler is never sent to it."""
+@contextlib.contextmanager
+def warm_real_ranks(tmp_path, monkeypatch, ranks: dict[str, tuple[ShardKey, int, str]]):
+    """Real slots for each named rank (key, pid, stacks file or ""), each with 5 commits written as its worker writes
+    them, 10 ms apart, and a watchdog on a clock set just after them: yields (the watchdog, the clock, the signals it
+    sent, name -> (the worker's slots, the daemon's))."""
     import time
 
     import torch
@@ -268,26 +269,40 @@ def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startu
     monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
     state = {"w": torch.zeros(10)}
     manifest = layout.describe(state)
-    keys = {"left": ShardKey("a", 0, 1), "stays": ShardKey("b", 0, 1)}
     slots = {}
-    for name, key in keys.items():
-        paths = shm.slot_paths("n0", key.job_id, 0, 1)
+    for name, (key, _, _) in ranks.items():
+        paths = shm.slot_paths("n0", key.job_id, key.rank, key.world_size)
         shm.create_slots(paths, manifest, 4096)
         slots[name] = (shm.Slots(paths, manifest), shm.Slots(paths, manifest))  # (the worker's, the daemon's)
-    pids = {"left": 51, "stays": 52}
     clock = {"now": time.time()}
     signals: list[tuple[int, int]] = []
     dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0),
-                   lambda: [(keys[n], slots[n][1]) for n in keys], kill=lambda pid, sig: signals.append((pid, sig)),
+                   lambda: [(ranks[n][0], slots[n][1]) for n in ranks], kill=lambda pid, sig: signals.append((pid, sig)),
                    clock=lambda: clock["now"], sleep=lambda s: None)
     try:
         for name, (worker, _) in slots.items():
-            worker.set_worker(pids[name], str(tmp_path / f"stacks-{name}.txt"))
+            worker.set_worker(ranks[name][1], ranks[name][2])
             writer = SlotWriter(worker)
             for v in range(1, 6):
                 writer.commit(state, v)
                 time.sleep(0.01)
         clock["now"] = time.time()
+        yield dog, clock, signals, slots
+    finally:
+        for pair in slots.values():
+            for sl in pair:
+                sl.close()
+
+
+def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startup_allowance(tmp_path, monkeypatch):
+    """Under the in-process engine a rank leaves ``ffstate.replicate`` at a restart and stays in its process, its
+    SIGUSR1 handler (``faulthandler``) unregistered, until it enters again. Its record (real slots, as the worker
+    writes them) then names no stacks file and restarts the warm-up: the restart is not taken for a hang at the
+    step-based deadline, and the signal that would end a process without the handler is never sent to it."""
+    keys = {"left": ShardKey("a", 0, 1), "stays": ShardKey("b", 0, 1)}
+    ranks = {"left": (keys["left"], 51, str(tmp_path / "stacks-left.txt")),
+             "stays": (keys["stays"], 52, str(tmp_path / "stacks-stays.txt"))}
+    with warm_real_ranks(tmp_path, monkeypatch, ranks) as (dog, clock, signals, slots):
         dog.look()
         assert dog.report(keys["left"]).deadline_seconds == 2.0  # warm: the floor
         slots["left"][0].set_left()
@@ -298,51 +313,20 @@ def test_a_worker_that_left_replicate_is_not_asked_for_stacks_and_has_the_startu
         clock["now"] += 30.0  # past the allowance: acted on, without the signal it has no handler for
         dog.look()
         assert signals[2:] == [(51, signal.SIGKILL)]
-    finally:
-        for pair in slots.values():
-            for s in pair:
-                s.close()
 
 
 def test_a_process_that_left_unwatched_is_forgotten_and_not_taken_along_by_another_rank_s_hang(tmp_path, monkeypatch):
     """One process, no launcher: a rank that leaves ``ffstate.replicate`` with an error and goes on is no longer the
     watchdog's (``set_left(watched=False)``), at once: when another rank of its job hangs later, the job's local
     ranks are acted on, and the process that left is not one of them (its stale watch took it along before)."""
-    import time
-
-    import torch
-
-    from ffstate import layout, shm
-    from ffstate.commit import SlotWriter
-
-    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
-    monkeypatch.setattr(shm.slots, "SHM_DIR", tmp_path)
-    state = {"w": torch.zeros(10)}
-    manifest = layout.describe(state)
     keys = [ShardKey("j", 0, 2), ShardKey("j", 1, 2)]
-    pairs = []
-    for key in keys:
-        paths = shm.slot_paths("n0", key.job_id, key.rank, key.world_size)
-        shm.create_slots(paths, manifest, 4096)
-        pairs.append((shm.Slots(paths, manifest), shm.Slots(paths, manifest)))  # (the worker's, the daemon's)
-    clock = {"now": time.time()}
-    signals: list[tuple[int, int]] = []
-    dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0),
-                   lambda: [(k, pair[1]) for k, pair in zip(keys, pairs)], kill=lambda pid, sig: signals.append((pid, sig)),
-                   clock=lambda: clock["now"], sleep=lambda s: None)
-    try:
-        for pid, (worker, _) in zip((61, 62), pairs):
-            worker.set_worker(pid, "")
-            writer = SlotWriter(worker)
-            for v in range(1, 6):
-                writer.commit(state, v)
-                time.sleep(0.01)
-        clock["now"] = time.time()
+    with warm_real_ranks(tmp_path, monkeypatch, {"0": (keys[0], 61, ""), "1": (keys[1], 62, "")}) as (dog, clock,
+                                                                                                      signals, slots):
         dog.look()
         assert dog.report(keys[0]).deadline_seconds == 2.0 and dog.report(keys[1]).deadline_seconds == 2.0
-        pairs[0][0].set_left(watched=False)
+        slots["0"][0].set_left(watched=False)
         dog.look()
-        assert pairs[0][1].worker() is None and dog.report(keys[0]) is None
+        assert slots["0"][1].worker() is None and dog.report(keys[0]) is None
         clock["now"] += 3.0  # rank 1 past its deadline
         dog.look()
         assert signals == [(62, signal.SIGKILL)], signals
@@ -350,8 +334,3 @@ def test_a_process_that_left_unwatched_is_forgotten_and_not_taken_along_by_anoth
             clock["now"] += 100.0  # far past every deadline and allowance
             dog.look()
         assert all(pid != 61 for pid, _ in signals), signals
-    finally:
-        for pair in pairs:
-            for sl in pair:
-                sl.close()
-
