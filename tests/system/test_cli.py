@@ -28,9 +28,12 @@ def test_ctrl_c_in_the_demo_stops_its_daemons_and_says_interrupted(tmp_path):
     tmp = tmp_path / "tmp"  # the job's run folder (its daemons' pid files) goes here
     tmp.mkdir()
     base = random.randrange(20000, 30000, 2)
+    # Ctrl-C's disposition as a terminal's foreground command has it, whatever this runner's: a suite started in the
+    # background by a script (`make test &`, nohup) ignores SIGINT, and the demo would inherit that.
     proc = subprocess.Popen([sys.executable, "-m", "ffstate.cli", "demo", "--out", str(out), "--base-port", str(base)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "TMPDIR": str(tmp)})
+                            env={**os.environ, "TMPDIR": str(tmp)},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 120
