@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ffstate.errors import CodecError
+from ffstate.layout.compiled import matcher as compiled_matcher
 from ffstate.layout.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorSpec, build_manifest, per_layout
 
 
@@ -140,20 +141,27 @@ def analyze(state: Any) -> tuple[Manifest, list[Any]]:
 def analyze_known(state: Any, manifest: Manifest) -> tuple[Manifest, list[Any]]:
     """``analyze`` for a state expected to have ``manifest``'s layout (every commit after the first).
 
-    Walks the state in step with the manifest's tree (``_match_known``): no tree is built, no path
+    Walks the state in step with the manifest's tree: first by the layout's compiled walk (``compiled.py``, the tree
+    unrolled into straight-line code once per layout), which gives a result only where the interpreted walk
+    (``_match_known``) would give the same, else by that walk. No tree is built, no path
     per leaf (a path matters only to a new manifest or an error), and the walk stops at the first
     difference. Then it compares each leaf's dtype, shape and kind with what the manifest's layout
     expects (``_expected``, computed once per layout) instead of building and hashing a new
     manifest. Anything else (a changed layout, a type only ``flatten`` describes or rejects with
     its path) goes to ``analyze``, so the caller sees the new layout or the error.
-    At 7,699 tensors: about 10 ms (13-15 before str/int keys and plain scalars skipped the encoding), against 21 ms
+    At 7,699 tensors: 2.0 ms compiled, 6.1 ms interpreted (one process, 2026-11-27); the interpreted walk of a
+    razor's shard (3,351 tensors, 11,243 scalars) about 10 ms (13-15 before str/int keys and plain scalars skipped
+    the encoding), 4.4 ms compiled, against 21 ms
     for building the tree, comparing it and asking each
     leaf ``isinstance(t, nn.Parameter)``, and 80-120 ms for ``analyze`` (one process, this machine).
     """
-    try:
-        got = _match_known(state, manifest.tree)
-    except _Unusual:
-        return analyze(state)
+    fast = compiled_matcher(manifest)
+    got = fast(state) if fast is not None else None
+    if got is None:
+        try:
+            got = _match_known(state, manifest.tree)
+        except _Unusual:
+            return analyze(state)
     if got is not None and len(got[0]) == len(manifest.tensors) and _leaves_match(got[0], _expected(manifest)):
         return manifest.with_scalars(got[1]), got[0]
     return analyze(state)
