@@ -45,6 +45,7 @@ class Tls:
 
 
 RECONNECT_MIN_MS, RECONNECT_MAX_MS = 100, 250
+ONE_CALL_AGAIN = 300.0  # seconds after a daemon refused PushVersion (an older ffstate) before a push asks it again
 LOOK_TICK = 0.3  # seconds gRPC's thread watching a channel's state may still run after its last look (its tick: 0.2)
 
 
@@ -67,8 +68,11 @@ class Client:
     ):
         self.address = address
         # Versions whose chunks total at most this go in one PushVersion call (``in_one_call``; 0: every push
-        # streams); set to 0 at the first daemon that does not know the call (an ffstate before it).
-        self.small_push_bytes = min(small_push_bytes, max_message_bytes - (64 << 10))
+        # streams); 0 for ``ONE_CALL_AGAIN`` seconds after the daemon did not know the call (an ffstate before it:
+        # a rolling upgrade may have brought it since).
+        self.small_push_bytes = self._one_call_bytes = min(small_push_bytes, max_message_bytes - (64 << 10))
+        self._one_call_again = 0.0  # when a push may try PushVersion again (monotonic; 0: not refused)
+        self._told_older = False
         self.token = token
         self.timeout = timeout
         self.retries = retries
@@ -236,16 +240,19 @@ class Client:
             return self._push_version(wire.with_entries(entries, 1), **self._kw(self.timeout * 10))
 
         total = sum(len(c.payload) for c in packed.chunks)
+        if self._one_call_again and time.monotonic() >= self._one_call_again:  # upgraded since?
+            self._one_call_again, self.small_push_bytes = 0.0, self._one_call_bytes
         if self.in_one_call(packed):
             try:
                 return self._call(what, in_one)
             except ReplicaError as e:
                 if e.code != "UNIMPLEMENTED":
                     raise
-                if self.small_push_bytes:  # another thread's push may have found it first
-                    log.warning("the daemon at %s does not know PushVersion (an older ffstate): every push to it "
-                                "streams; run one version of ffstate on every node", self.address)
-                self.small_push_bytes = 0
+                (log.info if self._told_older else log.warning)(
+                    "the daemon at %s does not know PushVersion (an older ffstate): pushes to it stream, and ask again "
+                    "in %.0f s; run one version of ffstate on every node", self.address, ONE_CALL_AGAIN)
+                self._told_older = True
+                self.small_push_bytes, self._one_call_again = 0, time.monotonic() + ONE_CALL_AGAIN
                 before_chunk = None  # paced already, as one
         return self._call(what, lambda: self._push(messages(), **self._kw(self.timeout * 10)))
 

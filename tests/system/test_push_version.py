@@ -4,6 +4,7 @@ message with the status a stream would get, and holds nothing of it."""
 
 import logging
 import secrets
+import time
 import uuid
 from concurrent import futures
 
@@ -96,18 +97,20 @@ def test_a_version_no_larger_than_one_of_its_chunks_goes_in_one_call_others_stre
         assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 2)), little[0])
 
 
-def _older_daemon(node: Node, token: str) -> tuple[grpc.Server, int]:
-    """A real node behind the servicer of an ffstate before PushVersion: every method but that one."""
+def _older_daemon(node: Node, token: str, port: int = 0, without: tuple[str, ...] = ("PushVersion",)) \
+        -> tuple[grpc.Server, int]:
+    """A real node behind the servicer of an ffstate before PushVersion: every method but that one (``without=()``:
+    the node upgraded, every method)."""
     servicer = Servicer(node)
     handlers = {}
     for name, m in wire.METHODS.items():
-        if name != "PushVersion":
+        if name not in without:
             make = getattr(grpc, f"{m.kind}_rpc_method_handler")
             handlers[name] = make(getattr(servicer, name), (lambda b: b) if m.raw_request else m.request.FromString,
                                   (lambda b: b) if m.raw_response else m.response.SerializeToString)
     server = grpc.server(futures.ThreadPoolExecutor(8), interceptors=[TokenInterceptor(token)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(wire.SERVICE, handlers)])
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     return server, port
 
@@ -132,6 +135,34 @@ def test_a_daemon_that_does_not_know_the_call_gets_streams_and_the_client_says_s
             assert c.small_push_bytes == 0
             assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1)), little[1])
         assert sum("does not know PushVersion" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        server.stop(None)
+        node.close()
+
+
+def test_a_daemon_upgraded_since_it_refused_the_call_gets_it_again(little, monkeypatch):
+    # A rolling upgrade: the holder at this address knew no PushVersion, then is restarted with it. The client asks
+    # again ONE_CALL_AGAIN seconds after the refusal (it was never asked again: streams for ever).
+    from ffstate import client as client_module
+
+    monkeypatch.setattr(client_module, "ONE_CALL_AGAIN", 1.0, raising=False)
+    token = secrets.token_hex(8)
+    node = Node(DaemonConfig(node_id=f"upgraded-{uuid.uuid4().hex[:8]}", host="127.0.0.1", port=0, token=token,
+                             memory_limit=256 << 20))
+    server, port = _older_daemon(node, token)
+    try:
+        with Client(f"127.0.0.1:{port}", token) as c:
+            stream, one = counted(c)
+            c.push_and_commit(JOB, 0, 1, 1, codec.encode(little[0]))
+            c.push_and_commit(JOB, 0, 1, 2, codec.encode(little[1], little[0]), base_version=1)
+            assert (one.calls, stream.calls) == (1, 2)  # refused once, then streams within the second
+            server.stop(None).wait()
+            server, _ = _older_daemon(node, token, port, without=())  # the same node, now with the call
+            assert c.small_push_bytes == 0
+            time.sleep(1.1)
+            c.push_and_commit(JOB, 0, 1, 3, codec.encode(little[2], little[1]), base_version=2)
+            assert (one.calls, stream.calls) == (2, 2) and c.small_push_bytes > 0  # in one call again
+            assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1)), little[2])
     finally:
         server.stop(None)
         node.close()
