@@ -11,10 +11,12 @@ S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself
 restarted entry, before its first step (two failures in a row). ``--step-seconds``: each step sleeps to take at
 least this long (a job whose steps are not all Python on 2 cores). Every process appends to OUT/progress.jsonl:
 ``{"kill": P}`` before it dies; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process
-began, its process group is up, ffstate restored it); ``{"process", "rank", "step", "iteration"}`` at every commit;
-each with its wall ``time``. At the end each rank writes OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first
-entry writes its state at those steps (OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was
-restored to (OUT/restored-it<I>-rank<R>.pt): what a shrink's restore is checked against.
+began, its process group is up, ffstate restored it); ``{"process", "event": "left", "attempt"}`` once the in-process
+engine returned (``attempt``: ``FFSTATE_ATTEMPT`` then, None once the engine put its environment back);
+``{"process", "rank", "step", "iteration"}`` at every commit; each with its wall ``time``. At the end each rank writes
+OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first entry writes its state at those steps
+(OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was restored to (OUT/restored-it<I>-rank<R>.pt):
+what a shrink's restore is checked against.
 """
 
 import time
@@ -120,6 +122,7 @@ def main() -> None:
         return train(at.rank, at.world, at.iteration)
 
     attempt()
+    note({"process": process, "event": "left", "attempt": os.environ.get("FFSTATE_ATTEMPT")})  # the engine's env gone
 
 
 if __name__ == "__main__":

@@ -4,8 +4,12 @@ NCCL has an abort, which NVIDIA's resiliency extension calls. gloo has none that
 ``ProcessGroup.abort()`` nor ``shutdown()`` nor ``destroy_process_group()`` releases a collective blocked on a peer
 that died; it waits out its timeout (measured: 5.1 s with a 5 s timeout). Shutting the group's connected sockets
 down does: the blocked operation fails at once ("connection closed by peer") and a new group on a fresh store prefix
-starts in tens of milliseconds. The sockets are those ``init_process_group`` opened (the process's socket
-descriptors before and after it); gloo's listening socket is left alone (shutting it down aborts the process).
+starts in tens of milliseconds. The sockets are those ``init_process_group`` opened: the process's sockets after it
+that were not there before it, told apart by their inodes, not their descriptors' numbers (a number closed meanwhile
+is given to the next socket opened, which by its number could pass for one that was there before). At the abort, a
+descriptor is shut down only if it still is that socket: gloo closes a pair whose peer shut it down first, and its
+number may belong to another connection by then (a gRPC channel's). gloo's listening socket is left alone (shutting
+it down aborts the process).
 """
 
 from __future__ import annotations
@@ -22,16 +26,28 @@ from nvidia_resiliency_ext.inprocess.abort import Abort, AbortTorchDistributed
 log = logging.getLogger("ffstate.inprocess")
 
 
-def open_sockets() -> set[int]:
-    """The file descriptors of this process's sockets."""
-    out = set()
+def open_sockets() -> dict[int, str]:
+    """This process's sockets: each descriptor's number and what it refers to (``socket:[inode]``)."""
+    out = {}
     for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                out.add(int(name))
-        except OSError:  # closed meanwhile
-            pass
+        target = _target(int(name))
+        if target is not None and target.startswith("socket:"):
+            out[int(name)] = target
     return out
+
+
+def new_sockets(before: dict[int, str]) -> dict[int, str]:
+    """The sockets open now that were not open at ``before`` (``open_sockets()``), by inode: a descriptor number
+    reused by a new socket counts as new."""
+    known = set(before.values())
+    return {fd: target for fd, target in open_sockets().items() if target not in known}
+
+
+def _target(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # closed meanwhile
+        return None
 
 
 class GroupAbort(Abort):
@@ -40,36 +56,41 @@ class GroupAbort(Abort):
     group is destroyed."""
 
     def __init__(self) -> None:
-        self._sockets: set[int] = set()
+        self._sockets: dict[int, str] = {}
         self._nccl = AbortTorchDistributed()
 
-    def opened(self, sockets: set[int]) -> None:
-        """The sockets the current process group opened."""
-        self._sockets = set(sockets)
+    def opened(self, sockets: dict[int, str]) -> None:
+        """The sockets the current process group opened (``new_sockets``)."""
+        self._sockets = dict(sockets)
 
     def __call__(self, state: Any) -> Any:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return self._nccl(state)
         start = time.perf_counter()
-        shut = 0
-        for fd in sorted(self._sockets):
+        shut = gone = 0
+        for fd, target in sorted(self._sockets.items()):
+            if _target(fd) != target:  # closed (gloo closes a pair whose peer shut it down), the number maybe reused
+                gone += 1
+                continue
             try:
                 s = socket.socket(fileno=fd)
-            except OSError:  # gone already
+            except OSError:  # closed meanwhile
+                gone += 1
                 continue
             try:
                 if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     s.shutdown(socket.SHUT_RDWR)
                     shut += 1
-            except OSError:
-                pass
+            except OSError:  # not connected any more
+                gone += 1
             finally:
                 s.detach()  # the descriptor stays gloo's: it closes it when the group goes
-        self._sockets = set()
+        self._sockets = {}
         if dist.is_available() and dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception as e:  # the group is gone either way; say why it did not go cleanly
                 log.warning("destroying the process group after a failure: %s", e)
-        log.info("aborted the process group in %.0f ms (%d sockets shut down)", (time.perf_counter() - start) * 1e3, shut)
+        log.info("aborted the process group in %.0f ms (%d sockets shut down, %d closed already)",
+                 (time.perf_counter() - start) * 1e3, shut, gone)
         return state

@@ -34,7 +34,7 @@ from nvidia_resiliency_ext.inprocess.state import Mode
 from ffstate import placement
 from ffstate.config import Config
 from ffstate.errors import FFStateError
-from ffstate.inprocess.abort import GroupAbort, open_sockets
+from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
 from ffstate.inprocess.store import ensure, heartbeat
 from ffstate.job import job_id
@@ -193,7 +193,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
         before = open_sockets()
         dist.init_process_group(backend, store=dist.PrefixStore(f"ffstate-attempt-{it}", app_store), rank=rank,
                                 world_size=world, timeout=PG_TIMEOUT)
-        abort.opened(open_sockets() - before)
+        abort.opened(new_sockets(before))
         failures = tuple(assignment.assignment.failures)
         if it:
             log.warning("rank %d (process %d): restarted in this process (iteration %d; processes lost so far: %s); "
@@ -206,7 +206,26 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     # The extension hands its CallWrapper to the parameter annotated with its class, which it reads as a class, not
     # as the string this module's annotations are.
     attempt.__annotations__["call_wrapper"] = Optional[inprocess.CallWrapper]
-    return wrapper(attempt)()
+    with _environment_kept(ATTEMPT_VARIABLES):  # the process after the engine is not one of its ranks any more
+        return wrapper(attempt)()
+
+
+# What each entry sets for ffstate.replicate; put back as it was when the engine returns or gives up (an error that
+# leaves replicate later in the process is then not taken for an engine's rank, which stays watched for hangs).
+ATTEMPT_VARIABLES = ("FFSTATE_ATTEMPT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "FFSTATE_SIMULATED_NODES")
+
+
+@contextlib.contextmanager
+def _environment_kept(names: tuple[str, ...]):
+    saved = {n: os.environ.get(n) for n in names}
+    try:
+        yield
+    finally:
+        for n, value in saved.items():
+            if value is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = value
 
 
 @contextlib.contextmanager

@@ -1,0 +1,70 @@
+"""ffstate/inprocess/abort.py: which sockets the gloo abort shuts down, on real loopback TCP connections standing in
+for a process group's (the engine's runs with real process groups are in tests/system/test_inprocess.py)."""
+
+import socket
+
+import pytest
+
+from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
+
+
+@pytest.fixture
+def connect():
+    """Makes loopback TCP connections; returns (our end, the peer's end) and closes whatever is left at the end."""
+    made = []
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def make():
+        ours = socket.create_connection(server.getsockname())
+        theirs, _ = server.accept()
+        made.extend([ours, theirs])
+        return ours, theirs
+
+    yield make
+    for s in made:
+        s.close()
+    server.close()
+
+
+def test_a_group_socket_on_a_reused_descriptor_number_is_found_and_shut_down(connect):
+    # The previous group's socket is open when the engine looks before init_process_group, and freed during it: the
+    # new group's socket gets its number. Counted by numbers, it was taken for one that was there before and left
+    # open, and a peer's collective waited on it until the watchdog killed the process.
+    old, _ = connect()
+    number = old.fileno()
+    before = open_sockets()
+    old.close()
+    ours, theirs = connect()
+    if ours.fileno() != number:
+        pytest.skip("the kernel did not give the closed number to the next socket")
+    assert number in new_sockets(before)
+    abort = GroupAbort()
+    abort.opened(new_sockets(before))
+    abort(None)  # no process group here: only the sockets
+    with pytest.raises(BrokenPipeError):  # shut down for writing
+        ours.send(b"x")
+    ours.settimeout(2)
+    assert ours.recv(1) == b""  # and for reading
+
+
+def test_a_descriptor_number_given_to_another_socket_since_is_left_alone(connect):
+    # A group's socket closed after init, its number given to another connection (a gRPC channel's): the abort must
+    # not shut down the connection that now has the number.
+    before = open_sockets()
+    mine, _ = connect()
+    number = mine.fileno()
+    opened = new_sockets(before)
+    assert number in opened
+    abort = GroupAbort()
+    abort.opened(opened)
+    mine.close()
+    other, peer = connect()
+    if other.fileno() != number:
+        pytest.skip("the kernel did not give the closed number to the next socket")
+    abort(None)
+    other.sendall(b"x")
+    peer.settimeout(2)
+    assert peer.recv(1) == b"x"  # still connected both ways
+    peer.sendall(b"y")
+    other.settimeout(2)
+    assert other.recv(1) == b"y"
