@@ -25,14 +25,16 @@ import torch
 from ffstate.layout.manifest import Manifest, per_layout
 
 Matcher = Callable[[Any], "tuple[list[Any], list[Any]] | None"]
-_MATCHERS: dict[str, Matcher | None] = {}
+_MATCHERS: dict[str, Any] = {}
+_REFUSED = object()  # a layout it does not compile, remembered as such (None in the cache reads as not there)
 
 
 def matcher(manifest: Manifest) -> Matcher | None:
     """The compiled walk of ``manifest``'s layout: ``state -> (leaves, scalars)`` as ``tree._match_known`` gives them,
     or None where that walk should decide; None for a layout it does not compile (a key that is neither ``str`` nor
-    ``int``)."""
-    return per_layout(_MATCHERS, manifest, _compile)
+    ``int``, a node of a kind ``flatten`` does not make), decided once per layout."""
+    got = per_layout(_MATCHERS, manifest, lambda m: _compile(m) or _REFUSED)
+    return None if got is _REFUSED else got
 
 
 class _Unsupported(Exception):
@@ -45,7 +47,7 @@ def _float(value: float) -> dict:
 
 def _compile(manifest: Manifest) -> Matcher | None:
     tree = manifest.tree
-    if not _in_walk_order(tree):
+    if not _well_formed(tree) or not _in_walk_order(tree):
         return None
     lines: list[str] = []
     consts: list[Any] = []
@@ -110,13 +112,14 @@ def _compile(manifest: Manifest) -> Matcher | None:
         pairs = node[kind]
         keys = [k for k, _ in pairs]
         shape(node)  # refuses keys other than str and int
-        out(f"{indent}if type({var}) is not {'dict' if kind == 'd' else 'ORDERED'} or len({var}) != {len(keys)}"
-            f" or list({var}) != {const(keys)}: return None")
-        if keys:  # equal is not enough: True == 1, and an object may say it equals a string
+        out(f"{indent}if type({var}) is not {'dict' if kind == 'd' else 'ORDERED'} or len({var}) != {len(keys)}:"
+            " return None")
+        if keys:  # the keys' types first (True == 1; a key may compare in its own way), then their values
             allowed = "type(k) is not str" if all(type(k) is str for k in keys) else \
                 "type(k) is not str and type(k) is not int"
             out(f"{indent}for k in {var}:")
             out(f"{indent}    if {allowed}: return None")
+            out(f"{indent}if list({var}) != {const(keys)}: return None")
             out(f"{indent}w{depth} = list({var}.values())")
             children([n for _, n in pairs], f"w{depth}", depth, indent)
         if kind == "o":
@@ -136,8 +139,30 @@ def _compile(manifest: Manifest) -> Matcher | None:
                         *lines, "    return leaves, scalars"])
     namespace: dict[str, Any] = {"C": consts, "TENSOR": torch.Tensor, "LEAVES": (torch.Tensor, np.ndarray),
                                  "SIZE": torch.Size, "ORDERED": collections.OrderedDict, "FLOAT": _float}
-    exec(compile(source, f"<ffstate layout {manifest.layout_id[:12]}>", "exec"), namespace)  # noqa: S102 (our own text)
+    try:
+        code = compile(source, f"<ffstate layout {manifest.layout_id[:12]}>", "exec")
+    except (SyntaxError, RecursionError, MemoryError):  # beyond the compiler's limits (20 nested loops): interpreted
+        return None
+    exec(code, namespace)  # noqa: S102 (our own text)
     return namespace["match"]
+
+
+_KINDS = ({"T"}, {"S"}, {"z"}, {"l"}, {"t"}, {"d"}, {"o"}, {"o", "m"})
+
+
+def _well_formed(tree: Any) -> bool:
+    """Whether every node is one of the kinds ``flatten`` makes (a manifest read from JSON may hold a node of two
+    kinds, which the interpreter reads one way and this code would read another)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict) or set(node) not in _KINDS:
+            return False
+        stack.extend(n for _, n in node.get("d", node.get("o", [])))
+        stack.extend(node.get("l", node.get("t", [])))
+        if "m" in node:
+            stack.append(node["m"])
+    return True
 
 
 def _in_walk_order(tree: Any) -> bool:

@@ -3,6 +3,7 @@ it gives is what ``_match_known`` gives, leaf for leaf (the same objects) and sc
 nothing (the interpreter then decides); on the state its layout was made from, and on new scalar values, it gives."""
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ffstate import capture, layout
+from ffstate.errors import CodecError
 from ffstate.layout import compiled
 
 leaves = st.one_of(
@@ -131,3 +133,48 @@ def test_layouts_it_does_not_compile_are_walked_by_the_interpreter():
         assert compiled.matcher(m) is None
         assert layout.analyze_known(state, m)[0] == m
 
+
+
+def _from_json(tree: dict, scalars: int):
+    return layout.Manifest.from_json(json.dumps({"tree": tree, "tensors": [], "scalars": [0] * scalars}).encode())
+
+
+@pytest.mark.parametrize("tree, scalars, state", [
+    ({"d": [["a", {"S": 0}]], "l": [{"S": 1}]}, 1, [5]),  # a dict node that is also a list node
+    ({"l": [{"S": 0, "d": [["a", {"S": 1}]]}, {"S": 2}]}, 3, [5, 6]),
+], ids=["dict-and-list", "scalar-and-dict"])
+def test_a_tree_flatten_would_not_make_is_not_compiled(tree, scalars, state):
+    # A manifest read from JSON may hold a node of two kinds: the interpreter reads it one way, compiled code would
+    # have read it another (found in review: it took [5] for {"a": 5}).
+    m = _from_json(tree, scalars)
+    assert compiled.matcher(m) is None
+    assert layout._match_known(state, m.tree) is None
+
+
+def test_keys_are_compared_by_type_before_value():
+    # A tensor as a key: comparing it to the manifest's keys raised; its type is refused first, and the interpreter
+    # gives the error it gave (found in review).
+    m = layout.describe({1: 1})
+    assert compiled.matcher(m)({torch.ones(2): 1}) is None
+    with pytest.raises(CodecError, match="unsupported type torch.Tensor"):
+        layout.analyze_known({torch.ones(2): 1}, m)
+
+
+def test_a_layout_it_does_not_compile_is_decided_once(monkeypatch):
+    calls = []
+    real = compiled._compile
+    monkeypatch.setattr(compiled, "_compile", lambda m: calls.append(1) or real(m))
+    m = layout.describe({"flags": {True: torch.zeros(1)}, "n": 7})
+    for _ in range(3):
+        assert compiled.matcher(m) is None and layout.analyze_known({"flags": {True: torch.zeros(1)}, "n": 8}, m)[0].scalars
+    assert len(calls) == 1  # refused once, remembered (it was compiled again at every commit)
+
+
+def test_code_beyond_the_compiler_s_limits_is_left_to_the_interpreter(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise SyntaxError("too many statically nested blocks")
+
+    monkeypatch.setattr(compiled, "compile", refuse, raising=False)
+    m = layout.describe({"a": [1, 2]})
+    assert compiled.matcher(m) is None
+    assert layout.analyze_known({"a": [1, 3]}, m)[0].scalars == (1, 3)
