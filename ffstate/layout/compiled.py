@@ -7,7 +7,8 @@ their types checked: ``True == 1``), each child taken by position, each leaf app
 shape (the optimizer's per-parameter entries, a model's placeholders) is one loop, so the code grows with the
 shapes, not the tensors (compiled in 2-160 ms; 2.2-3.2x faster than the interpreter). It handles the common
 values only (dicts and OrderedDicts with ``str`` or ``int`` keys, lists, tuples, ``torch.Size``, tensors, arrays,
-``None``, ``bool``, ``int``, ``str``, ``float``) and returns None at anything else or at the first difference,
+``None``, ``bool``, ``int``, ``str``, ``float``; trees of the node kinds ``flatten`` makes; layouts within the
+compiler's limits) and returns None at anything else or at the first difference,
 where the caller runs the interpreted walk, which decides: it never gives a result that walk would not
 (``tests/unit/test_layout_compiled.py`` holds it to that on generated states). The code's text takes only
 integers from the manifest (lengths, positions); keys and shapes are constants passed beside it.
