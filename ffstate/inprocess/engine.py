@@ -31,7 +31,7 @@ from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
 from nvidia_resiliency_ext.inprocess.state import Mode
 
-from ffstate import placement
+from ffstate import inflight, placement
 from ffstate.config import Config
 from ffstate.errors import FFStateError
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
@@ -165,7 +165,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    abort = GroupAbort()
+    abort = GroupAbort(PG_TIMEOUT)
     assignment = NodeSpares(layout)
     # A spare waits warm: what a first entry imports is imported now (DistributedDataParallel's first construction
     # imports torch._dynamo, 1.4 s here; torch.distributed.optim scripts its functional optimizers, 0.4 s; ffstate's
@@ -190,6 +190,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
         if cfg.simulated_nodes:  # after a shrink, fewer nodes than launched (ffstate.replicate reads it)
             os.environ["FFSTATE_SIMULATED_NODES"] = str(world // per)
         start = time.perf_counter()
+        inflight.reset()  # this entry's collectives may be waited on again
         before = open_sockets()
         dist.init_process_group(backend, store=dist.PrefixStore(f"ffstate-attempt-{it}", app_store), rank=rank,
                                 world_size=world, timeout=PG_TIMEOUT)
@@ -206,8 +207,12 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     # The extension hands its CallWrapper to the parameter annotated with its class, which it reads as a class, not
     # as the string this module's annotations are.
     attempt.__annotations__["call_wrapper"] = Optional[inprocess.CallWrapper]
-    with _environment_kept(ATTEMPT_VARIABLES):  # the process after the engine is not one of its ranks any more
-        return wrapper(attempt)()
+    inflight.enable()  # DDP's collectives through ffstate: waits that the abort ends (ffstate/inflight.py)
+    try:
+        with _environment_kept(ATTEMPT_VARIABLES):  # the process after the engine is not one of its ranks any more
+            return wrapper(attempt)()
+    finally:
+        inflight.enable(False)
 
 
 # What each entry sets for ffstate.replicate; put back as it was when the engine returns or gives up (an error that

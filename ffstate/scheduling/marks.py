@@ -5,7 +5,11 @@ frameworks' own, so a run with the marks is bit for bit the run without them."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+from ffstate import inflight
 
 
 def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and this module's are strings
@@ -27,7 +31,10 @@ def marked_allreduce(state, bucket):  # no annotations: DDP checks them, and thi
 
 def ended(marks, started: int, fut, value=lambda v: v):
     """A hook's future ``fut``, continued by marking its collective off the wire; resolves to ``value`` of its value
-    (DDP expects the bucket's tensor)."""
+    (DDP expects the bucket's tensor). Under the in-process engine, a future an abort of the group ends
+    (``ffstate/inflight.py``)."""
+    if inflight.enabled():
+        return inflight.track(fut, value, lambda: marks.end(started))
 
     def done(f):
         marks.end(started)
@@ -40,19 +47,53 @@ def mark_ddp_buffer_broadcast(model: torch.nn.Module, marks) -> bool:
     """Marks DDP's broadcast of its buffers at the start of each forward (``broadcast_buffers``): a collective
     like the gradient all-reduce, on the wire and waited in by every rank that reached it before the slowest;
     the same call, wrapped on the instance. False where the installed torch lacks the seam."""
-    inner = getattr(model, "_distributed_broadcast_coalesced", None)
+    inner = getattr(type(model), "_distributed_broadcast_coalesced", None)
     if inner is None:
         return False
+    ref = weakref.ref(model)  # the wrapper lives on the model: no reference cycle keeping a DDP (and its hooks) alive
 
     def marked(tensors, buffer_size, authoritative_rank=0):
         started = marks.start()
         try:
-            return inner(tensors, buffer_size, authoritative_rank)
+            if inflight.enabled():
+                return broadcast_coalesced(ref().process_group, tensors, buffer_size, authoritative_rank)
+            return inner(ref(), tensors, buffer_size, authoritative_rank)
         finally:
             marks.end(started)
 
     model._distributed_broadcast_coalesced = marked
     return True
+
+
+def broadcast_coalesced(group, tensors: list, buffer_size: int, src: int) -> None:
+    """``tensors`` of group rank ``src`` into every rank's, as DDP's ``_broadcast_coalesced`` (runs of one dtype
+    flattened into buffers of up to ``buffer_size`` bytes, each broadcast), with each broadcast waited on through
+    ``inflight`` so that an abort of the group ends the wait. The bytes are ``src``'s either way."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    mine = dist.get_rank(group) == src
+    for run in _runs(tensors, buffer_size):
+        flat = _flatten_dense_tensors(run)
+        inflight.wait(dist.broadcast(flat, group=group, group_src=src, async_op=True).get_future())
+        if not mine:
+            for t, got in zip(run, _unflatten_dense_tensors(flat, run)):
+                t.copy_(got)
+
+
+def _runs(tensors: list, limit: int) -> list[list]:
+    """Consecutive tensors of one dtype and device, up to ``limit`` bytes a run (one tensor past it alone)."""
+    runs: list[list] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if runs and (runs[-1][0].dtype, runs[-1][0].device) == (t.dtype, t.device) and size + nbytes <= limit:
+            runs[-1].append(t)
+            size += nbytes
+        else:
+            runs.append([t])
+            size = nbytes
+    return runs
 
 
 def _marked(marks, started: int, work):
@@ -61,7 +102,10 @@ def _marked(marks, started: int, work):
         marks.end(started)
         return work
     try:
-        work.get_future().then(lambda _: marks.end(started))
+        if inflight.enabled():  # no callback of ffstate's on the training's thread (ffstate/inflight.py)
+            inflight.track(work.get_future(), on_end=lambda: marks.end(started))
+        else:
+            work.get_future().then(lambda _: marks.end(started))
     except RuntimeError:  # a backend whose work has no future: marked as issued only
         marks.end(started)
     return work

@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from ffstate import shm
+from ffstate import inflight, shm
 from ffstate.scheduling import marks, profiling
 from ffstate.config import Config
 
@@ -81,7 +81,8 @@ def _comm_marks(model: torch.nn.Module, cfg: Config, rank: int) -> shm.CommMarks
     if found is not None:
         return found
     made = shm.CommMarks()
-    if cfg.scheduler == "windows" and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    # Under the in-process engine, with any scheduler: the hook's waits are the ones an abort ends (inflight.py).
+    if (cfg.scheduler == "windows" or inflight.enabled()) and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         try:  # the scheduler's timeline: when DDP's gradient buckets are on the wire
             model.register_comm_hook((made, model.process_group), marks.marked_allreduce)
             marks.mark_ddp_buffer_broadcast(model, made)

@@ -1,0 +1,161 @@
+"""One rank of a 2-rank gloo job that trains DDP (ffstate's communication hook and buffer broadcast) while a second
+thread aborts its process group at a random moment, as the in-process engine's monitor thread does
+(``ffstate.inprocess.abort.GroupAbort``: the group's sockets shut down, the group destroyed); then a new group on a
+fresh store prefix, as the engine's next entry. Each trial must see the training thread leave its step within
+``--bound`` seconds of the abort; a trial that does not is written to OUT/hung-rankR.txt with the native stacks of
+every thread, and the process ends with code 3.
+
+    python tests/procs/abort_race.py RANK PORT OUT --trials N [--inflight on|off] [--seed S]
+
+With ``--compare STEPS`` it first trains the same model STEPS steps with the waits of ``ffstate/inflight.py`` and
+without them (inputs and BatchNorm statistics differ by rank, so the buffer broadcast carries something) and exits
+with code 1 unless every parameter and buffer ends bit for bit the same.
+"""
+
+import argparse
+import datetime
+import gc
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from ffstate import inflight, shm  # noqa: E402
+from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets  # noqa: E402
+from ffstate.scheduling import marks  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("rank", type=int)
+    p.add_argument("port", type=int)
+    p.add_argument("out", type=Path)
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--inflight", choices=("on", "off"), default="on")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bound", type=float, default=20.0)
+    p.add_argument("--compare", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=4.0)
+    a = p.parse_args()
+    store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=120))
+    if a.compare:
+        ends = [_train(store, a.rank, a.compare, on) for on in (True, False)]
+        same = all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(*ends))
+        print(f"rank {a.rank}: {a.compare} steps with and without ffstate's abortable waits: "
+              f"{'bit-identical' if same else 'DIFFERENT'} ({len(ends[0])} tensors)", flush=True)
+        if not same:
+            sys.exit(1)
+    inflight.enable(a.inflight == "on")
+    rng = random.Random(a.seed * 10 + a.rank)
+    # Buckets of a few MB: the ring's sends do not fit a socket's buffer at once and queue on the pair (the case
+    # gloo never fails after a shutdown); a BatchNorm's buffers make DDP broadcast them at every forward.
+    model = _model()
+    x = torch.randn(32, 256)
+    left = []
+    for t in range(a.trials):
+        before = open_sockets()
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"trial-{t}", store), rank=a.rank, world_size=2,
+                                timeout=datetime.timedelta(minutes=30))
+        inflight.reset()
+        abort = GroupAbort()
+        abort.opened(new_sockets(before))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=a.bucket_mb)
+        comm = shm.CommMarks()
+        ddp.register_comm_hook((comm, ddp.process_group), marks.marked_allreduce)
+        marks.mark_ddp_buffer_broadcast(ddp, comm)
+        store.set(f"ready-{t}-{a.rank}", "1")
+        store.wait([f"ready-{t}-{1 - a.rank}"])
+        fired = threading.Event()
+
+        def fire():
+            abort(None)
+            fired.set()
+
+        # Both ranks' monitors see the failure at about the same moment (within 20 ms here), anywhere in a step.
+        delay = random.Random(a.seed * 1000 + t).uniform(0.05, 0.4) + rng.uniform(0.0, 0.02)
+        timer = threading.Timer(delay, fire)
+        watch = threading.Thread(target=_watch, args=(fired, a, t), daemon=True)
+        timer.start()
+        watch.start()
+        steps = 0
+        try:
+            while True:
+                ddp(x).square().mean().backward()
+                steps += 1
+        except Exception as e:  # the abort's: the group's sockets shut down, or ffstate's wait ended
+            left.append((steps, type(e).__name__))
+            if os.environ.get("DEBUG_RACE"):
+                print(f"rank {a.rank} trial {t}: {e!r}"[:400], flush=True)
+        timer.join()
+        fired.wait()
+        _done[t] = True
+        del ddp
+        gc.collect()  # as the engine does between entries: the old reducer's hooks leave the parameters
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        store.set(f"done-{t}-{a.rank}", "1")
+        store.wait([f"done-{t}-{1 - a.rank}"])
+    kinds = sorted({k for _, k in left})
+    print(f"rank {a.rank}: {a.trials} trials, every one left its step; steps before the abort "
+          f"{[s for s, _ in left]}; errors {kinds}", flush=True)
+
+
+_done: dict[int, bool] = {}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.BatchNorm1d(2048), torch.nn.ReLU(),
+                               torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 256))
+
+
+def _train(store: dist.Store, rank: int, steps: int, on: bool) -> list[torch.Tensor]:
+    """Every parameter and buffer after ``steps`` DDP steps with ffstate's hook and buffer broadcast."""
+    inflight.enable(on)
+    inflight.reset()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"compare-{on}", store), rank=rank, world_size=2)
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+    comm = shm.CommMarks()
+    ddp.register_comm_hook((comm, ddp.process_group), marks.marked_allreduce)
+    marks.mark_ddp_buffer_broadcast(ddp, comm)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        ddp(torch.randn(32, 256, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+    inflight.enable(False)
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+def _watch(fired: threading.Event, a: argparse.Namespace, trial: int) -> None:
+    fired.wait()
+    deadline = time.monotonic() + a.bound
+    while time.monotonic() < deadline:
+        if _done.get(trial):
+            return
+        time.sleep(0.05)
+    path = a.out / f"hung-rank{a.rank}.txt"
+    with open(path, "w") as f:
+        f.write(f"trial {trial}: the training thread still in its step {a.bound:.0f} s after the abort\n")
+        f.flush()
+        try:  # where gdb is installed
+            subprocess.run(["gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt"], stdout=f,
+                           stderr=subprocess.STDOUT, timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            f.write(f"no native stacks: {e}\n")
+    os._exit(3)
+
+
+if __name__ == "__main__":
+    main()

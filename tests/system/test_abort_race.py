@@ -1,0 +1,40 @@
+"""The in-process engine's abort ends the training thread's wait on DDP's collectives, wherever the abort lands
+(ffstate/inflight.py): two gloo processes train DDP with ffstate's communication hook and buffer broadcast while a
+thread of each aborts the group at a random moment (``GroupAbort``, as the engine's monitor thread does), sixty
+times over on fresh groups (tests/procs/abort_race.py). Every trial must leave its step within 20 s of the abort.
+
+Without ffstate's waits (``--inflight off``, the code before them) a trial stays in DDP's backward or buffer
+broadcast until the group's 30-minute timeout: gloo never fails a send queued on a pair whose socket went down.
+Measured here, 2026-11-27: see docs/inprocess.md. And the waits change no bit of the training: the same steps with
+and without them end bit for bit the same."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ffstate.bench._report import free_ports
+
+pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mode's abort needs nvidia-resiliency-ext")
+
+pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tmp_path):
+    port = free_ports(1)
+    args = [sys.executable, str(ROOT / "tests/procs/abort_race.py")]
+    procs = [subprocess.Popen([*args, str(rank), str(port), str(tmp_path), "--trials", "60", "--compare", "3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    hung = {f.name: f.read_text()[:4000] for f in tmp_path.glob("hung-*.txt")}
+    assert not hung, hung
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, out[-3000:]
+        assert f"rank {rank}: 3 steps with and without ffstate's abortable waits: bit-identical" in out, out[-3000:]
+        assert f"rank {rank}: 60 trials, every one left its step" in out, out[-3000:]

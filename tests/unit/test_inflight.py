@@ -1,0 +1,89 @@
+"""ffstate/inflight.py: the waits an abort of the process group ends. Works are stood in for by plain torch futures
+(one never completed is a send gloo never fails); the gloo race itself is tests/system/test_abort_race.py."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ffstate import inflight
+from ffstate.scheduling.marks import _runs
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    inflight.reset()
+    yield
+    inflight.abort("test over")  # retires the waiting thread and fails what a test left pending
+    inflight.reset()
+
+
+def test_a_work_s_value_and_error_reach_the_future_and_its_end_runs_off_the_calling_thread():
+    work = torch.futures.Future()
+    ended = []
+    ours = inflight.track(work, lambda v: v[0] * 2, lambda: ended.append(threading.current_thread().name))
+    assert not ours.done()
+    work.set_result([torch.tensor(21.0)])
+    assert ours.wait().item() == 42.0
+    assert ended == ["ffstate-collectives"]
+
+    done = torch.futures.Future()
+    done.set_result([torch.tensor(1.0)])  # already complete when tracked: still nothing on this thread
+    inflight.track(done, on_end=lambda: ended.append(threading.current_thread().name)).wait()
+    assert ended[-1] == "ffstate-collectives"
+
+    failing = torch.futures.Future()
+    ours = inflight.track(failing)
+    failing.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        ours.wait()
+
+
+def test_abort_ends_a_wait_on_a_work_that_never_ends_and_the_next_group_is_not_queued_behind_it():
+    stuck = torch.futures.Future()  # never completed: a send gloo never fails after the sockets went down
+    first = ours = inflight.track(stuck)
+    waiter = threading.Thread(target=lambda: pytest.raises(inflight.Aborted, ours.wait))
+    waiter.start()
+    time.sleep(0.05)
+    assert waiter.is_alive()
+    assert inflight.abort("the group was aborted") == 1
+    waiter.join(5)
+    assert not waiter.is_alive()
+    with pytest.raises(inflight.Aborted, match="the group was aborted"):
+        inflight.track(torch.futures.Future())  # nothing more is waited on in an aborted group
+
+    inflight.reset()  # the next entry's group
+    work = torch.futures.Future()
+    ours = inflight.track(work)
+    work.set_result(7)
+    assert ours.wait() == 7  # a new waiting thread: the old one still waits on `stuck`
+    assert _waiting_threads() == 2
+    stuck.set_result(0)  # the stuck work ends at last: its old thread leaves, the future the abort failed stays so
+    deadline = time.monotonic() + 5
+    while _waiting_threads() > 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _waiting_threads() == 1
+    with pytest.raises(inflight.Aborted):
+        first.wait()
+
+
+def _waiting_threads() -> int:
+    return sum(t.name == "ffstate-collectives" and t.is_alive() for t in threading.enumerate())
+
+
+def test_wait_returns_the_value_or_raises_the_abort():
+    work = torch.futures.Future()
+    work.set_result([1, 2])
+    assert inflight.wait(work) == [1, 2]
+    inflight.abort("gone")
+    with pytest.raises(inflight.Aborted):
+        inflight.wait(torch.futures.Future())
+
+
+def test_the_buffer_broadcast_s_runs_keep_one_dtype_and_the_size_limit():
+    f = [torch.zeros(10) for _ in range(3)]  # 40 bytes each
+    i = torch.zeros(4, dtype=torch.int64)
+    runs = _runs([f[0], f[1], i, f[2], torch.zeros(100)], 80)
+    assert [[t.numel() for t in r] for r in runs] == [[10, 10], [4], [10], [100]]
+    assert [len(r) for r in _runs([], 80)] == []
