@@ -15,12 +15,14 @@ future of ffstate's (``track``), completed by a thread of its own when the work 
 (the engine's abort calls it) if the work has not ended by then. The training thread is then released however the
 work ends, and no Python callback of ffstate's runs on the training thread while a collective is on the wire: an
 exception the engine raises into that thread lands in the training's own code, not in a callback that would turn
-it into another error. A work stuck in gloo stays stuck in its worker thread until its timeout; the waiting thread
-then sees the group was aborted and leaves. Outside the engine nothing here runs: the hooks are the plain ones.
+it into another error. A work stuck in gloo stays stuck in its worker thread until its timeout; the retired waiting
+thread holds the aborted group until then (its destructor would join that worker). Outside the engine, and on
+NCCL (whose abort works), nothing here runs: the hooks are the plain ones.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any, Callable, Optional
@@ -32,6 +34,7 @@ _enabled = False
 _aborted: Optional[str] = None  # why the current group was aborted; None while it is healthy
 _pending: set = set()  # ffstate's futures not completed yet
 _waiter: Optional["_Waiter"] = None
+log = logging.getLogger("ffstate.inflight")
 
 
 class Aborted(RuntimeError):
@@ -57,21 +60,27 @@ def reset() -> None:
 
 def track(work_future: torch.futures.Future, value: Callable[[Any], Any] = lambda v: v,
           on_end: Optional[Callable[[], None]] = None) -> torch.futures.Future:
-    """A future that resolves to ``value`` of ``work_future``'s value when the work ends (or to its error), or fails
-    with ``Aborted`` at ``abort()``, whichever comes first; ``on_end`` runs once the work has ended, on ffstate's
-    waiting thread.
+    """A future that resolves to ``value`` of ``work_future``'s value when the work ends (or fails with its error),
+    or fails with ``Aborted`` at ``abort()``, whichever comes first; ``on_end`` runs once the work has ended, on
+    ffstate's waiting thread. What is returned is continued from ffstate's own future by a callback that runs on
+    the thread completing it (the waiting thread, or the abort's), never the caller's: an error reaches DDP's C++
+    as an error.
 
     Raises:
         Aborted: the group was aborted already (the collective would never be waited out).
     """
     ours = torch.futures.Future()
+    given = ours.then(_value)  # before anyone can complete `ours`: the callback never runs inline here
     with _lock:
         if _aborted is not None:
             raise Aborted(_aborted)
         _pending.add(ours)
-        waiter = _current_waiter()
-    waiter.put((work_future, ours, value, on_end))
-    return ours
+        _current_waiter().put((work_future, ours, value, on_end))  # under the lock: an abort cannot retire it first
+    return given
+
+
+def _value(f: torch.futures.Future) -> Any:
+    return f.value()
 
 
 def wait(work_future: torch.futures.Future) -> Any:
@@ -83,17 +92,19 @@ def wait(work_future: torch.futures.Future) -> Any:
     return track(work_future).wait()
 
 
-def abort(reason: str) -> int:
+def abort(reason: str, keep: Any = None) -> int:
     """Fails every future of ``track`` not completed yet with ``Aborted(reason)``, and refuses new ones until
     ``reset()``; returns how many it failed. The waiting thread, which may be inside a work that never ends, is
-    replaced: the next group's collectives do not queue behind it."""
+    retired (the next group's collectives do not queue behind it) and holds ``keep`` (the aborted group) until the
+    works it was given have ended: the group's destructor joins its worker threads, and must not run on the
+    training's thread while one of them is stuck."""
     global _aborted, _waiter
     with _lock:  # a future leaves _pending once, under the lock: whoever takes it out completes it
         _aborted = reason
         failed = list(_pending)
         _pending.clear()
         if _waiter is not None:
-            _waiter.retire()
+            _waiter.retire(keep)
             _waiter = None
     for f in failed:
         f.set_exception(Aborted(reason))
@@ -109,17 +120,20 @@ def _current_waiter() -> "_Waiter":
 
 class _Waiter:
     """One thread that waits on the works in the order they were issued (a group's collectives end in that order)
-    and completes ffstate's futures."""
+    and completes ffstate's futures. Retired at an abort, it finishes the works it was given, then lets go of what
+    it was asked to keep."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._kept: Any = None
         self._thread = threading.Thread(target=self._run, name="ffstate-collectives", daemon=True)
         self._thread.start()
 
     def put(self, item: tuple) -> None:
         self._queue.put(item)
 
-    def retire(self) -> None:
+    def retire(self, keep: Any = None) -> None:
+        self._kept = keep
         self._queue.put(None)
 
     def _run(self) -> None:
@@ -131,13 +145,20 @@ class _Waiter:
             except Exception as e:  # the work's error, given to the waiting thread
                 result, error = None, e
             if on_end is not None:
-                on_end()
+                try:
+                    on_end()
+                except Exception as e:  # a mark not set is no reason to leave a future uncompleted
+                    error = error or e
             with _lock:
                 mine = ours in _pending
                 _pending.discard(ours)
             if not mine:  # failed by an abort while the work went on
                 continue
-            if error is None:
-                ours.set_result(result)
-            else:
-                ours.set_exception(error)
+            try:
+                if error is None:
+                    ours.set_result(result)
+                else:
+                    ours.set_exception(error)
+            except Exception as e:  # the continuation's own failure: the future is complete either way
+                log.warning("completing a collective's future: %s", e)
+        self._kept = None

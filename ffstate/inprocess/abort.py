@@ -14,12 +14,9 @@ it down aborts the process).
 
 from __future__ import annotations
 
-import ctypes
-import datetime
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -60,10 +57,9 @@ class GroupAbort(Abort):
     collective): NCCL groups by the extension's own abort; gloo groups by shutting down their sockets, then the
     group is destroyed."""
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+    def __init__(self) -> None:
         self._sockets: dict[int, str] = {}
         self._nccl = AbortTorchDistributed()
-        self._timeout = timeout  # the groups' own: how long a worker thread of theirs may stay in gloo
 
     def opened(self, sockets: dict[int, str]) -> None:
         """The sockets the current process group opened (``new_sockets``)."""
@@ -94,9 +90,10 @@ class GroupAbort(Abort):
         self._sockets = {}
         # gloo never fails a send left on a pair's transmit queue: what the training waits on through ffstate
         # (DDP's gradient all-reduce and buffer broadcast) is ended here instead (ffstate/inflight.py).
-        ended = inflight.abort("the process group was aborted after a failure elsewhere in the job")
+        group = dist.distributed_c10d._get_default_group() if dist.is_available() and dist.is_initialized() else None
+        ended = inflight.abort("the process group was aborted after a failure elsewhere in the job", keep=group)
+        del group
         if dist.is_available() and dist.is_initialized():
-            kept(dist.distributed_c10d._get_default_group(), self._timeout.total_seconds() + 60)
             try:
                 dist.destroy_process_group()
             except Exception as e:  # the group is gone either way; say why it did not go cleanly
@@ -105,23 +102,3 @@ class GroupAbort(Abort):
                  "in flight ended)", (time.perf_counter() - start) * 1e3, shut, gone, ended)
         return state
 
-
-def kept(group: Any, seconds: float) -> None:
-    """Keeps an aborted gloo group from being destroyed for ``seconds``, then lets it go.
-
-    A send gloo never failed keeps a worker thread of the group in ``UnboundBuffer::waitSend`` until the group's
-    timeout (``ffstate/inflight.py``), and the group's destructor joins its worker threads: dropping the last
-    reference (the old DDP's, when the engine collects it before the next entry) would block the training's thread
-    as long. So the group gets one reference more, which no interpreter teardown drops (a process that ends meanwhile
-    does not wait for those threads either), and a timer drops it once the timeout has passed and the threads are
-    out. Its cost until then: the group's threads and the buffers of its unfinished works."""
-    obj = ctypes.py_object(group)
-    ctypes.pythonapi.Py_IncRef(obj)
-
-    def release() -> None:
-        ctypes.pythonapi.Py_DecRef(obj)
-
-    timer = threading.Timer(seconds, release)
-    timer.daemon = True
-    timer.name = "ffstate-aborted-group"
-    timer.start()

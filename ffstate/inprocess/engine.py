@@ -165,7 +165,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    abort = GroupAbort(PG_TIMEOUT)
+    abort = GroupAbort()
     assignment = NodeSpares(layout)
     # A spare waits warm: what a first entry imports is imported now (DistributedDataParallel's first construction
     # imports torch._dynamo, 1.4 s here; torch.distributed.optim scripts its functional optimizers, 0.4 s; ffstate's
@@ -207,7 +207,8 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     # The extension hands its CallWrapper to the parameter annotated with its class, which it reads as a class, not
     # as the string this module's annotations are.
     attempt.__annotations__["call_wrapper"] = Optional[inprocess.CallWrapper]
-    inflight.enable()  # DDP's collectives through ffstate: waits that the abort ends (ffstate/inflight.py)
+    # DDP's collectives through ffstate: waits that the abort ends (ffstate/inflight.py); NCCL's own abort works.
+    inflight.enable(backend == "gloo")
     try:
         with _environment_kept(ATTEMPT_VARIABLES):  # the process after the engine is not one of its ranks any more
             return wrapper(attempt)()

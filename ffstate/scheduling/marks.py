@@ -34,7 +34,11 @@ def ended(marks, started: int, fut, value=lambda v: v):
     (DDP expects the bucket's tensor). Under the in-process engine, a future an abort of the group ends
     (``ffstate/inflight.py``)."""
     if inflight.enabled():
-        return inflight.track(fut, value, lambda: marks.end(started))
+        try:
+            return inflight.track(fut, value, lambda: marks.end(started))
+        except inflight.Aborted:  # issued into an aborted group: off the wire already
+            marks.end(started)
+            raise
 
     def done(f):
         marks.end(started)
@@ -66,34 +70,24 @@ def mark_ddp_buffer_broadcast(model: torch.nn.Module, marks) -> bool:
 
 
 def broadcast_coalesced(group, tensors: list, buffer_size: int, src: int) -> None:
-    """``tensors`` of group rank ``src`` into every rank's, as DDP's ``_broadcast_coalesced`` (runs of one dtype
-    flattened into buffers of up to ``buffer_size`` bytes, each broadcast), with each broadcast waited on through
-    ``inflight`` so that an abort of the group ends the wait. The bytes are ``src``'s either way."""
+    """``tensors`` of group rank ``src`` into every rank's, as DDP's ``_broadcast_coalesced``: the same buckets (one
+    dtype and device each, up to ``buffer_size`` bytes, torch's own assignment), each flattened and broadcast; all
+    issued, then waited on in order through ``inflight``, so that an abort of the group ends the wait. The bytes are
+    ``src``'s either way."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    if not tensors:
+        return
+    buckets = [[tensors[i] for i in b] for b in dist._compute_bucket_assignment_by_size(tensors, [buffer_size])[0]]
+    flats = [_flatten_dense_tensors(b) for b in buckets]
+    works = [dist.broadcast(f, group=group, group_src=src, async_op=True).get_future() for f in flats]
     mine = dist.get_rank(group) == src
-    for run in _runs(tensors, buffer_size):
-        flat = _flatten_dense_tensors(run)
-        inflight.wait(dist.broadcast(flat, group=group, group_src=src, async_op=True).get_future())
+    for bucket, flat, work in zip(buckets, flats, works):
+        inflight.wait(work)
         if not mine:
-            for t, got in zip(run, _unflatten_dense_tensors(flat, run)):
+            for t, got in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 t.copy_(got)
-
-
-def _runs(tensors: list, limit: int) -> list[list]:
-    """Consecutive tensors of one dtype and device, up to ``limit`` bytes a run (one tensor past it alone)."""
-    runs: list[list] = []
-    size = 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        if runs and (runs[-1][0].dtype, runs[-1][0].device) == (t.dtype, t.device) and size + nbytes <= limit:
-            runs[-1].append(t)
-            size += nbytes
-        else:
-            runs.append([t])
-            size = nbytes
-    return runs
 
 
 def _marked(marks, started: int, work):

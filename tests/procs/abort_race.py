@@ -139,15 +139,18 @@ def _train(store: dist.Store, rank: int, steps: int, on: bool) -> list[torch.Ten
 
 
 def _watch(fired: threading.Event, a: argparse.Namespace, trial: int) -> None:
-    fired.wait()
-    deadline = time.monotonic() + a.bound
-    while time.monotonic() < deadline:
-        if _done.get(trial):
-            return
-        time.sleep(0.05)
+    if fired.wait(a.bound + 1):  # the abort itself returns (else its stacks are taken too)
+        what = f"the training thread still in its step {a.bound:.0f} s after the abort"
+        deadline = time.monotonic() + a.bound
+        while time.monotonic() < deadline:
+            if _done.get(trial):
+                return
+            time.sleep(0.05)
+    else:
+        what = f"the abort not done {a.bound + 1:.0f} s after it was due"
     path = a.out / f"hung-rank{a.rank}.txt"
     with open(path, "w") as f:
-        f.write(f"trial {trial}: the training thread still in its step {a.bound:.0f} s after the abort\n")
+        f.write(f"trial {trial}: {what}\n")
         f.flush()
         try:  # where gdb is installed
             subprocess.run(["gdb", "-p", str(os.getpid()), "-batch", "-ex", "thread apply all bt"], stdout=f,

@@ -5,6 +5,7 @@ import socket
 
 import pytest
 
+from ffstate import inflight
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 
 
@@ -24,6 +25,7 @@ def connect():
     for s in made:
         s.close()
     server.close()
+    inflight.reset()  # the abort refused further waits on its group: not on the next test's
 
 
 def test_a_group_socket_on_a_reused_descriptor_number_is_found_and_shut_down(connect):
