@@ -69,8 +69,15 @@ def track(work_future: torch.futures.Future, value: Callable[[Any], Any] = lambd
     Raises:
         Aborted: the group was aborted already (the collective would never be waited out).
     """
+    return _tracked(work_future, value, on_end, continued=True)
+
+
+def _tracked(work_future: torch.futures.Future, value: Callable[[Any], Any], on_end: Optional[Callable[[], None]],
+             continued: bool) -> torch.futures.Future:
+    """ffstate's future for the work, or (``continued``) its continuation, made before anyone can complete it: its
+    callback then never runs on this thread."""
     ours = torch.futures.Future()
-    given = ours.then(_value)  # before anyone can complete `ours`: the callback never runs inline here
+    given = ours.then(_value) if continued else ours
     with _lock:
         if _aborted is not None:
             raise Aborted(_aborted)
@@ -89,7 +96,7 @@ def wait(work_future: torch.futures.Future) -> Any:
     Raises:
         Aborted: the group was aborted before the work ended.
     """
-    return track(work_future).wait()
+    return _tracked(work_future, lambda v: v, None, continued=False).wait()
 
 
 def abort(reason: str, keep: Any = None) -> int:

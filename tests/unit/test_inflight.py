@@ -98,5 +98,21 @@ def test_wait_returns_the_value_or_raises_the_abort():
     work.set_result([1, 2])
     assert inflight.wait(work) == [1, 2]
     inflight.abort("gone")
-    with pytest.raises(RuntimeError, match="gone"):
-        inflight.wait(torch.futures.Future())
+    with pytest.raises(inflight.Aborted, match="gone"):
+        inflight.wait(torch.futures.Future())  # issued into an aborted group
+
+    inflight.reset()
+    got = []
+
+    def waiting():
+        try:
+            got.append(inflight.wait(torch.futures.Future()))  # a work that never ends
+        except BaseException as e:
+            got.append(e)
+
+    waiter = threading.Thread(target=waiting)
+    waiter.start()
+    time.sleep(0.05)
+    inflight.abort("gone again")
+    waiter.join(5)
+    assert isinstance(got[0], inflight.Aborted) and str(got[0]) == "gone again", got  # the abort's own error
