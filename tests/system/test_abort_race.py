@@ -1,12 +1,13 @@
 """The in-process engine's abort ends the training thread's wait on DDP's collectives, wherever the abort lands
 (ffstate/inflight.py): two gloo processes train DDP with ffstate's communication hook and buffer broadcast while a
-thread of each aborts the group at a random moment (``GroupAbort``, as the engine's monitor thread does), forty
+thread of each aborts the group at a random moment (``GroupAbort``, as the engine's monitor thread does), 25
 times over on fresh groups (tests/procs/abort_race.py). Every trial must leave its step within 20 s of the abort.
 
 Without ffstate's waits (``--inflight off``, the code before them) a trial stays in DDP's backward or buffer
 broadcast until the group's 30-minute timeout: gloo never fails a send queued on a pair whose socket went down.
-Measured here, 2026-11-27: see docs/inprocess.md. And the waits change no bit of the training: the same steps with
-and without them end bit for bit the same."""
+Measured here on 2026-11-27 (benchmarks/2026-11-27-inprocess-abort.md): a hang in 7 of 11 runs of 30-40 trials and
+2 of 3 runs of 25, so this test fails on that code more often than not, not every time. And the waits change no bit
+of the training: the same steps with and without them end bit for bit the same."""
 
 import subprocess
 import sys
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tmp_path):
     port = free_ports(1)
     args = [sys.executable, str(ROOT / "tests/procs/abort_race.py")]
-    procs = [subprocess.Popen([*args, str(rank), str(port), str(tmp_path), "--trials", "40", "--compare", "3"],
+    procs = [subprocess.Popen([*args, str(rank), str(port), str(tmp_path), "--trials", "25", "--compare", "3"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     deadline = time.monotonic() + 240
     try:
@@ -39,4 +40,4 @@ def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tm
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]
         assert f"rank {rank}: 3 steps with and without ffstate's abortable waits: bit-identical" in out, out[-3000:]
-        assert f"rank {rank}: 40 trials, every one left its step" in out, out[-3000:]
+        assert f"rank {rank}: 25 trials, every one left its step" in out, out[-3000:]
