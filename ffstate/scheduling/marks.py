@@ -5,8 +5,6 @@ frameworks' own, so a run with the marks is bit for bit the run without them."""
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from ffstate import inflight
@@ -51,17 +49,20 @@ def mark_ddp_buffer_broadcast(model: torch.nn.Module, marks) -> bool:
     """Marks DDP's broadcast of its buffers at the start of each forward (``broadcast_buffers``): a collective
     like the gradient all-reduce, on the wire and waited in by every rank that reached it before the slowest;
     the same call, wrapped on the instance. False where the installed torch lacks the seam."""
-    inner = getattr(type(model), "_distributed_broadcast_coalesced", None)
+    inner = getattr(model, "_distributed_broadcast_coalesced", None)
     if inner is None:
         return False
-    ref = weakref.ref(model)  # the wrapper lives on the model: no reference cycle keeping a DDP (and its hooks) alive
+    # The wrapper lives on the model and holds it (a reference cycle: the DDP goes at a collection, not when the loop
+    # drops it). Without the cycle, a DDP dropped right after its backward, its group destroyed already, can hang in
+    # ProcessGroupGloo's destructor: it joins a worker thread that waits for the GIL to release a hook's Python
+    # callback (seen in the suite, torch 2.13).
 
     def marked(tensors, buffer_size, authoritative_rank=0):
         started = marks.start()
         try:
             if inflight.enabled():
-                return broadcast_coalesced(ref().process_group, tensors, buffer_size, authoritative_rank)
-            return inner(ref(), tensors, buffer_size, authoritative_rank)
+                return broadcast_coalesced(model.process_group, tensors, buffer_size, authoritative_rank)
+            return inner(tensors, buffer_size, authoritative_rank)
         finally:
             marks.end(started)
 
