@@ -92,8 +92,6 @@ def main() -> None:
                 steps += 1
         except Exception as e:  # the abort's: the group's sockets shut down, or ffstate's wait ended
             left.append((steps, type(e).__name__))
-            if os.environ.get("DEBUG_RACE"):
-                print(f"rank {a.rank} trial {t}: {e!r}"[:400], flush=True)
         timer.join()
         fired.wait()
         _done[t] = True
