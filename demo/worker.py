@@ -29,16 +29,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
+from ffstate.startup import collector_paused
 
-import ffstate
-import ffstate.job
-import ffstate.persist
-from ffstate import capture
-from ffstate.testing.models import TinyGPT
+with collector_paused():  # the imports without Python's collector, what they made frozen: a restart's CPU (startup.py)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ffstate
+    import ffstate.job
+    import ffstate.persist
+    from ffstate import capture
+    from ffstate.testing.models import TinyGPT
 
 log = logging.getLogger("ffstate.demo")
 MODEL = dict(vocab=256, dim=128, heads=4, layers=2, seq=64)

@@ -42,11 +42,14 @@ def nice_level(text: str) -> int | str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ffstate.config import DaemonConfig
-    from ffstate.daemon.main import return_freed_memory, serve, set_priority
+    from ffstate.startup import collector_paused
 
-    from ffstate import placement
-    from ffstate.config import Config
+    with collector_paused():  # the daemon's imports (torch's among them) without the collector: ffstate/startup.py
+        from ffstate.config import DaemonConfig
+        from ffstate.daemon.main import return_freed_memory, serve, set_priority
+
+        from ffstate import placement
+        from ffstate.config import Config
 
     try:  # by default where the workers look for it: the node's address on the training's network, port 7700
         cfg = DaemonConfig.from_args(args, node_id=args.node_id or DaemonConfig().node_id,

@@ -34,6 +34,9 @@ from typing import Any, Callable
 if __name__ == "__main__":  # the flushing process: deaf to its group's signals before its imports (a second)
     for _sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(_sig, signal.SIG_IGN)
+    from ffstate import startup
+
+    startup.pause()  # torch's and DCP's imports without the collector (ffstate/startup.py); main() resumes it
 
 import torch  # noqa: E402
 
@@ -266,10 +269,11 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     _die_with(parent)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from ffstate import persist
+    from ffstate import persist, startup
 
     start = time.perf_counter()
     persist.write.prepare()  # torch.distributed.checkpoint's import (a second or more) before the first flush
+    startup.imported()  # the imports' objects frozen, the collector on (paused as the module started)
     sock = socket.socket(fileno=fd)
     try:
         sock.send(json.dumps({"ready": f"started in {time.perf_counter() - start:.1f}s"}).encode())

@@ -9,15 +9,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ffstate.demo.worker import MODEL  # noqa: E402
-from ffstate.testing.models import TinyGPT  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+
+    from ffstate.demo.worker import MODEL
+    from ffstate.testing.models import TinyGPT
 
 
 def full(t):

@@ -24,22 +24,26 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import ffstate  # noqa: E402
-import ffstate.job  # noqa: E402
-from ffstate import capture  # noqa: E402
-from ffstate.elastic import ElasticSampler  # noqa: E402
-from ffstate.persist.keys import canonical  # noqa: E402
-from ffstate.testing.models import TinyGPT  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+    import ffstate
+    import ffstate.job
+    from ffstate import capture
+    from ffstate.elastic import ElasticSampler
+    from ffstate.persist.keys import canonical
+    from ffstate.testing.models import TinyGPT
 
 SAMPLES, BATCH, SEQ, VOCAB = 512, 2, 16, 97  # a vocabulary of 97 rows: uneven shards at 2, 3 and 4 ranks
 

@@ -8,12 +8,16 @@ an entry (a hook splitting a fused weight, say), which a restore in place could 
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ffstate  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+
+
+    import ffstate
 
 
 def main() -> None:

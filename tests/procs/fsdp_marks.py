@@ -10,16 +10,20 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from ffstate import capture, shm  # noqa: E402
-from ffstate.scheduling.marks import mark_fsdp_collectives  # noqa: E402
-from ffstate.testing.models import TinyGPT  # noqa: E402
-from helpers import bits  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+
+    from ffstate import capture, shm
+    from ffstate.scheduling.marks import mark_fsdp_collectives
+    from ffstate.testing.models import TinyGPT
+    from helpers import bits
 
 STEPS = 3
 

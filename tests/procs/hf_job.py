@@ -11,12 +11,15 @@ the log (its timings aside).
 import argparse
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from ffstate.startup import collector_paused
 
-from ffstate.integrations import hf
-from ffstate.testing.faults import die_once
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from ffstate.integrations import hf
+    from ffstate.testing.faults import die_once
 
 
 class Data(torch.utils.data.Dataset):

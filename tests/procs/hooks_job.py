@@ -13,14 +13,17 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+from ffstate.startup import collector_paused
 
-import ffstate
-from ffstate.hooks import PowerSGDState
-from ffstate.testing.faults import die_once
-from ffstate.testing.models import TinyGPT
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    import ffstate
+    from ffstate.hooks import PowerSGDState
+    from ffstate.testing.faults import die_once
+    from ffstate.testing.models import TinyGPT
 
 
 def main() -> None:

@@ -12,12 +12,15 @@ the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and th
 import argparse
 from pathlib import Path
 
-import lightning as L
-import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+from ffstate.startup import collector_paused
 
-from ffstate.integrations.lightning import ReplicationCallback
-from ffstate.testing.faults import die_once
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import lightning as L
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from ffstate.integrations.lightning import ReplicationCallback
+    from ffstate.testing.faults import die_once
 
 
 class Net(L.LightningModule):

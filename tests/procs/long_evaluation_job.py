@@ -12,7 +12,10 @@ import sys
 import tempfile
 import time
 
-import torch
+from ffstate.startup import collector_paused
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
 
 
 def data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

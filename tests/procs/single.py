@@ -17,13 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ffstate  # noqa: E402
-import ffstate.reports  # noqa: E402
-from ffstate.testing.models import TinyGPT  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+
+
+    import ffstate
+    import ffstate.reports
+    from ffstate.testing.models import TinyGPT
 
 
 def main() -> None:

@@ -14,17 +14,21 @@ import signal
 import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler, TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import ffstate  # noqa: E402
-from ffstate import capture  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DistributedSampler, TensorDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+
+    import ffstate
+    from ffstate import capture
 
 STEPS, VOCAB, DIM, SEQ, BATCH = 14, 64, 32, 16, 4
 

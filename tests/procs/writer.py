@@ -18,10 +18,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ffstate import codec, layout, shm  # noqa: E402
-from ffstate.client import Client  # noqa: E402
-from ffstate.commit import SlotWriter  # noqa: E402
-from helpers import train_states  # noqa: E402
+from ffstate.startup import collector_paused  # noqa: E402
+
+with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
+    from ffstate import codec, layout, shm
+    from ffstate.client import Client
+    from ffstate.commit import SlotWriter
+    from helpers import train_states
 
 
 def main() -> None:
