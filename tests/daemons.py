@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from ffstate import shm
+from ffstate.bench._report import free_ports
 from ffstate.client import Client, Tls
 
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
@@ -33,6 +34,7 @@ class Daemon:
     address: str
     log_path: Path
     args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
 
     def client(self, token: str = TOKEN, **kw) -> Client:
         return Client(self.address, token, **kw)
@@ -67,9 +69,23 @@ class DaemonFactory:
         self.token_file.write_text(TOKEN)
 
     def start(self, *extra: str, node_id: str | None = None, port: int = 0, tls: bool = False,
-              session: bool = False) -> Daemon:
+              session: bool = False, metrics: bool = False) -> Daemon:
         """An ``ffstate serve``; with ``session``, in a session (and process group) of its own, as a service manager
-        starts one: a signal to its group reaches its children too."""
+        starts one: a signal to its group reaches its children too. With ``metrics``, serving its metrics on a port
+        found free (``Daemon.metrics_port``), found again if another process took it before the daemon bound it."""
+        if metrics:
+            for _ in range(4):
+                mport = free_ports(1)
+                try:
+                    d = self.start(*extra, "--metrics-port", str(mport), node_id=node_id, port=port, tls=tls,
+                                   session=session)
+                except RuntimeError as e:
+                    if "cannot serve metrics" in str(e) and "in use" in str(e):
+                        continue
+                    raise
+                d.metrics_port = mport
+                return d
+            raise RuntimeError("no free port for a daemon's metrics in 4 tries")
         node_id = node_id or f"n{uuid.uuid4().hex[:8]}"
         log_path = self.tmp / f"{node_id}-{len(self.daemons)}.log"
         args = [sys.executable, "-m", "ffstate.cli", "serve", "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port),

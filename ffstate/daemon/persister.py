@@ -309,6 +309,7 @@ class Persister:
             if job is None:
                 self._note_reached()
                 return
+            self._note_reached()  # before its files: a kill just after they complete leaves no newer version
             with self._lock:
                 self._writing = (job.key.job_id, job.version)
             try:

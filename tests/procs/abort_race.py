@@ -7,6 +7,11 @@ every thread, and the process ends with code 3.
 
     python tests/procs/abort_race.py RANK PORT OUT --trials N [--inflight on|off] [--seed S]
 
+Rank 0 with PORT 0 hosts the store on a port the kernel gives it and writes it to OUT/port (no port probed free
+and bound later, which another process can take in between); rank 1 is then started with it. Whatever the process
+is in, if it goes ``--stall`` seconds without finishing a trial, the Python stacks of every thread go to
+OUT/stall-rankR.txt and it ends (faulthandler's exit, code 1).
+
 With ``--compare STEPS`` it first trains the same model STEPS steps with the waits of ``ffstate/inflight.py`` and
 without them (inputs and BatchNorm statistics differ by rank, so the buffer broadcast carries something) and exits
 with code 1 unless every parameter and buffer ends bit for bit the same.
@@ -14,6 +19,7 @@ with code 1 unless every parameter and buffer ends bit for bit the same.
 
 import argparse
 import datetime
+import faulthandler
 import gc
 import os
 import random
@@ -44,8 +50,14 @@ def main() -> None:
     p.add_argument("--bound", type=float, default=20.0)
     p.add_argument("--compare", type=int, default=0)
     p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--stall", type=float, default=90.0)
     a = p.parse_args()
-    store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=120))
+    stall = open(a.out / f"stall-rank{a.rank}.txt", "w")
+    faulthandler.dump_traceback_later(a.stall, exit=True, file=stall)  # re-armed at every trial below
+    store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=60))
+    if a.rank == 0 and a.port == 0:
+        (a.out / "port.tmp").write_text(str(store.port))
+        (a.out / "port.tmp").rename(a.out / "port")
     if a.compare:
         ends = [_train(store, a.rank, a.compare, on) for on in (True, False)]
         same = all(torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)) for x, y in zip(*ends))
@@ -61,6 +73,7 @@ def main() -> None:
     x = torch.randn(32, 256)
     left = []
     for t in range(a.trials):
+        faulthandler.dump_traceback_later(a.stall, exit=True, file=stall)
         before = open_sockets()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"trial-{t}", store), rank=a.rank, world_size=2,
                                 timeout=datetime.timedelta(minutes=30))
@@ -101,6 +114,7 @@ def main() -> None:
             dist.destroy_process_group()
         store.set(f"done-{t}-{a.rank}", "1")
         store.wait([f"done-{t}-{1 - a.rank}"])
+    faulthandler.cancel_dump_traceback_later()
     kinds = sorted({k for _, k in left})
     print(f"rank {a.rank}: {a.trials} trials, every one left its step; steps before the abort "
           f"{[s for s, _ in left]}; errors {kinds}", flush=True)

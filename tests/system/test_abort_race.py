@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from ffstate.bench._report import free_ports
-
 pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mode's abort needs nvidia-resiliency-ext")
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
@@ -27,22 +25,28 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
            "trial's step, whose watch would have written its stacks): cause not found yet, so it stays out of the "
            "suite until it is; run it with FFSTATE_ABORT_RACE=1")]
 ROOT = Path(__file__).resolve().parents[2]
+TRIALS = 25
 
 
 def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tmp_path):
-    port = free_ports(1)
     args = [sys.executable, str(ROOT / "tests/procs/abort_race.py")]
-    procs = [subprocess.Popen([*args, str(rank), str(port), str(tmp_path), "--trials", "25", "--compare", "3"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    common = [str(tmp_path), "--trials", str(TRIALS), "--compare", "3"]
+    procs = [subprocess.Popen([*args, "0", "0", *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     deadline = time.monotonic() + 240
     try:
+        while not (tmp_path / "port").exists() and procs[0].poll() is None and time.monotonic() < deadline - 200:
+            time.sleep(0.05)
+        port = (tmp_path / "port").read_text()  # rank 0's store listens there
+        procs.append(subprocess.Popen([*args, "1", port, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
         outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    hung = {f.name: f.read_text()[:4000] for f in tmp_path.glob("hung-*.txt")}
-    assert not hung, hung
+    stuck = {f.name: f.read_text()[:4000] for f in [*tmp_path.glob("hung-*.txt"), *tmp_path.glob("stall-*.txt")]
+             if f.stat().st_size}
+    assert not stuck, stuck
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]
         assert f"rank {rank}: 3 steps with and without ffstate's abortable waits: bit-identical" in out, out[-3000:]
-        assert f"rank {rank}: 25 trials, every one left its step" in out, out[-3000:]
+        assert f"rank {rank}: {TRIALS} trials, every one left its step" in out, out[-3000:]

@@ -438,14 +438,11 @@ def test_daemon_checksums_each_commit_and_a_corrupted_slot_is_refused(daemons):
 
 
 def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, tmp_path):
-    import socket
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     b = daemons.start()
-    a = daemons.start("--peer", b.address, "--metrics-port", str(port), "--link-share", "0.8")
+    a = daemons.start("--peer", b.address, "--link-share", "0.8", metrics=True)
+    port = a.metrics_port
     run_writer(a, "j10", 4, tmp_path, "--wait-replicated")
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     metric = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -17,7 +17,6 @@ from helpers import train_states
 from ffstate import checksum, cli, codec
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
-from ffstate.bench._report import free_ports
 from ffstate.codec import Chunk
 
 JOB, CHUNK = "hostile", 64 << 10
@@ -29,21 +28,20 @@ def states():
     return list(train_states(3))
 
 
-def _holding(factory, states, *args, port=None):
+def _holding(factory, states, metrics=False):
     """A daemon holding version 1 of rank 0 (world 1), a raw stub to it, its memory in use, its metrics port."""
-    d = factory.start(*args)
+    d = factory.start(metrics=metrics)
     with d.client() as c:
         c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
         used = c.inventory().bytes_used
     channel = grpc.insecure_channel(d.address)
-    yield d, pb_grpc.ReplicaStub(channel), used, port
+    yield d, pb_grpc.ReplicaStub(channel), used, d.metrics_port
     channel.close()
 
 
 @pytest.fixture
 def held(daemons, states):
-    port = free_ports(1)
-    yield from _holding(daemons, states, "--metrics-port", str(port), port=port)
+    yield from _holding(daemons, states, metrics=True)
 
 
 @pytest.fixture(scope="module")
@@ -288,8 +286,8 @@ def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, stat
     metrics) and, after --staged-timeout, discarded with its memory given back and a log line."""
     import time
 
-    port = free_ports(1)
-    d = daemons.start("--staged-timeout", "4", "--metrics-port", str(port))
+    d = daemons.start("--staged-timeout", "4", metrics=True)
+    port = d.metrics_port
     with d.client() as c:
         before = c.inventory().bytes_used
         packed = codec.encode(states[0], chunk_bytes=CHUNK)

@@ -82,7 +82,7 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
     torchrun(out, env, *kills, ok=False)  # lost after step 9
     new_machines(tmp_path, job)
     done, reached = persist.complete_versions(job_dir), persist.reached(job_dir)
-    assert len(done) >= 2 and done[-1] <= reached <= 9, (done, reached)  # reached: recorded within a second
+    assert len(done) >= 2 and done[-1] <= reached <= 9, (done, reached)  # reached: noted before each flush
     for v in done:  # daemons SIGKILLed mid-flush leave no version that looks complete and is not
         persist.check(persist.version_dir(job_dir, v), list(range(WORLD)))
     newest, older = done[-1], done[-2]

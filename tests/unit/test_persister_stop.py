@@ -245,3 +245,32 @@ def test_a_restore_recounts_the_newest_complete_version_of_its_job_only(rank_slo
         assert p._complete["j"] == 0 and p.stats.newest_complete == 500
     finally:
         p.close()
+
+
+def test_a_version_is_recorded_as_reached_before_its_files_are_written(rank_slots, tmp_path):
+    """A whole job lost right after the flushing process completed a version (it finalizes the last rank's part)
+    must not leave that version newer than every ``reached-<node>.json``: each version is noted before its flush.
+    (Noted only after it, a suite's run once found versions 4, 6, 8 complete and 7 reached.)"""
+    shard, _ = rank_slots
+    p = persister(tmp_path / "store", every=1)
+    job_dir = tmp_path / "store" / "j"
+    seen: list[tuple[int, int]] = []
+    real = p._flusher.flush
+
+    def flush(copy, job, idle=None):  # the real flush, with what the disk says was reached as it starts
+        seen.append((job["version"], persist.reached(job_dir)))
+        return real(copy, job, idle=idle)
+
+    p._flusher.flush = flush
+    try:
+        for v in (2, 3):
+            view, data = shard.slots.read(v, lambda v: (v.data.clone(), 0))
+            p.offer(shard.key, v, shard.slots.manifest.with_scalars(view.scalars), data,
+                    persister_module.codec.buffer_checksum(data), None, lambda: True)
+            deadline = time.monotonic() + 60
+            while persist.complete_versions(job_dir)[-1:] != [v] and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        p.close()
+    assert [v for v, _ in seen] == [2, 3], seen
+    assert all(reached >= v for v, reached in seen), seen
