@@ -8,7 +8,7 @@ the pair's transmit queue (a large message the socket could not take at once) is
 waits out the group's timeout (30 minutes) in ``UnboundBuffer::waitSend``. The training thread waiting on that work
 (DDP's ``Reducer::finalize_backward``, or the buffer broadcast at the start of a forward) stays in C++ as long, and
 the engine's interruption, raised into that thread once, is never delivered. Reproduced with two processes, gloo
-and nothing else (``tests/system/test_abort_race.py``).
+and nothing else (``tests/procs/abort_race.py``, run by ``tests/system/test_abort_race.py``).
 
 What this does: while ``enable()`` is on (the engine turns it on), each such collective is waited on through a
 future of ffstate's (``track``), completed by a thread of its own when the work ends, and failed by ``abort()``

@@ -10,7 +10,8 @@ every thread, and the process ends with code 3.
 Rank 0 with PORT 0 hosts the store on a port the kernel gives it and writes it to OUT/port (no port probed free
 and bound later, which another process can take in between); rank 1 is then started with it. Whatever the process
 is in, if it goes ``--stall`` seconds without finishing a trial, the Python stacks of every thread go to
-OUT/stall-rankR.txt and it ends (faulthandler's exit, code 1).
+OUT/stall-rankR.txt (from a thread of C's: the stuck thread may hold the interpreter lock); the process stays as it
+is for whoever started it to take its native stacks.
 
 With ``--compare STEPS`` it first trains the same model STEPS steps with the waits of ``ffstate/inflight.py`` and
 without them (inputs and BatchNorm statistics differ by rank, so the buffer broadcast carries something) and exits
@@ -53,8 +54,9 @@ def main() -> None:
     p.add_argument("--stall", type=float, default=90.0)
     a = p.parse_args()
     stall = open(a.out / f"stall-rank{a.rank}.txt", "w")
-    faulthandler.dump_traceback_later(a.stall, exit=True, file=stall)  # re-armed at every trial below
-    store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=60))
+    faulthandler.dump_traceback_later(a.stall, file=stall)  # re-armed at every trial below
+    store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)  # rank 0 says its port first
     if a.rank == 0 and a.port == 0:
         (a.out / "port.tmp").write_text(str(store.port))
         (a.out / "port.tmp").rename(a.out / "port")
@@ -73,7 +75,7 @@ def main() -> None:
     x = torch.randn(32, 256)
     left = []
     for t in range(a.trials):
-        faulthandler.dump_traceback_later(a.stall, exit=True, file=stall)
+        faulthandler.dump_traceback_later(a.stall, file=stall)
         before = open_sockets()
         dist.init_process_group("gloo", store=dist.PrefixStore(f"trial-{t}", store), rank=a.rank, world_size=2,
                                 timeout=datetime.timedelta(minutes=30))

@@ -39,14 +39,36 @@ def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tm
         port = (tmp_path / "port").read_text()  # rank 0's store listens there
         procs.append(subprocess.Popen([*args, "1", port, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
-        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+        outs = [_wait(p, rank, deadline, tmp_path) for rank, p in enumerate(procs)]
     finally:
         for p in procs:
             p.kill()
-    stuck = {f.name: f.read_text()[:4000] for f in [*tmp_path.glob("hung-*.txt"), *tmp_path.glob("stall-*.txt")]
+    stuck = {f.name: f.read_text()[-6000:] for f in [*tmp_path.glob("hung-*.txt"), *tmp_path.glob("stall-*.txt")]
              if f.stat().st_size}
     assert not stuck, stuck
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, out[-3000:]
         assert f"rank {rank}: 3 steps with and without ffstate's abortable waits: bit-identical" in out, out[-3000:]
         assert f"rank {rank}: {TRIALS} trials, every one left its step" in out, out[-3000:]
+
+
+def _wait(proc: subprocess.Popen, rank: int, deadline: float, out: Path) -> str:
+    """The process's output once it ends; if it wrote that it stalled (its Python stacks), its native stacks are
+    added (gdb, where installed) and it is killed."""
+    stall = out / f"stall-rank{rank}.txt"
+    while proc.poll() is None and time.monotonic() < deadline:
+        if stall.exists() and stall.stat().st_size:
+            try:
+                with open(stall, "a") as f:
+                    subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"], stdout=f,
+                                   stderr=subprocess.STDOUT, timeout=60, check=False)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+            proc.kill()
+            break
+        time.sleep(0.2)
+    try:
+        return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()[0]
