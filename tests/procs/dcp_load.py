@@ -19,7 +19,6 @@ with collector_paused():  # imports without Python's collector: a process start'
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-
     from ffstate.demo.worker import MODEL
     from ffstate.testing.models import TinyGPT
 

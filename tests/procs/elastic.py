@@ -37,7 +37,6 @@ with collector_paused():  # imports without Python's collector: a process start'
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-
     import ffstate
     import ffstate.job
     from ffstate import capture

@@ -16,7 +16,6 @@ with collector_paused():  # imports without Python's collector: a process start'
     import torch
     import torch.distributed as dist
 
-
     import ffstate
 
 

@@ -19,7 +19,6 @@ with collector_paused():  # imports without Python's collector: a process start'
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-
     from ffstate import capture, shm
     from ffstate.scheduling.marks import mark_fsdp_collectives
     from ffstate.testing.models import TinyGPT

@@ -24,7 +24,6 @@ from ffstate.startup import collector_paused  # noqa: E402
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
 
-
     import ffstate
     import ffstate.reports
     from ffstate.testing.models import TinyGPT

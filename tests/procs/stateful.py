@@ -26,7 +26,6 @@ with collector_paused():  # imports without Python's collector: a process start'
     from torch.utils.data import DistributedSampler, TensorDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-
     import ffstate
     from ffstate import capture
 
