@@ -21,6 +21,7 @@ At the end every rank writes its final parameters and optimizer shard to DIR/fin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -31,7 +32,9 @@ from pathlib import Path
 
 from ffstate.startup import collector_paused
 
-with collector_paused():  # the imports without Python's collector, what they made frozen: a restart's CPU (startup.py)
+# Run as torchrun's worker, its imports without Python's collector and what they made frozen: a restart's CPU
+# (ffstate/startup.py). Imported by another process (a benchmark's worker, a test), that process's collector is left be.
+with collector_paused() if __name__ == "__main__" else contextlib.nullcontext():
     import torch
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer

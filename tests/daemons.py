@@ -102,6 +102,9 @@ class DaemonFactory:
         m = READY.search(line)
         if not m:
             proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+            out.close()
             raise RuntimeError(f"ffstate serve did not start: {line!r}\n{log_path.read_text()}")
         d = Daemon(node_id, proc, f"{m.group(1)}:{m.group(2)}", log_path, args)
         self.daemons.append(d)

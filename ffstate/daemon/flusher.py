@@ -31,12 +31,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+_COLLECTING: bool | None = None  # run as the flushing process: whether the collector was on before its imports
 if __name__ == "__main__":  # the flushing process: deaf to its group's signals before its imports (a second)
     for _sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(_sig, signal.SIG_IGN)
     from ffstate import startup
 
-    startup.pause()  # torch's and DCP's imports without the collector (ffstate/startup.py); main() resumes it
+    _COLLECTING = startup.pause()  # torch and DCP imported without the collector (startup.py); main() resumes it
 
 import torch  # noqa: E402
 
@@ -273,7 +274,8 @@ def main(argv: list[str]) -> int:
 
     start = time.perf_counter()
     persist.write.prepare()  # torch.distributed.checkpoint's import (a second or more) before the first flush
-    startup.imported()  # the imports' objects frozen, the collector on (paused as the module started)
+    if _COLLECTING is not None:  # paused as the module started: what the imports made frozen, the collector back
+        startup.imported(_COLLECTING)
     sock = socket.socket(fileno=fd)
     try:
         sock.send(json.dumps({"ready": f"started in {time.perf_counter() - start:.1f}s"}).encode())

@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=4.0)
     p.add_argument("--stall", type=float, default=90.0)
     a = p.parse_args()
-    stall = open(a.out / f"stall-rank{a.rank}.txt", "w")
+    stall = open(a.out / f"stall-rank{a.rank}.txt", "a")  # appended to: whoever takes the native stacks adds them
     faulthandler.dump_traceback_later(a.stall, file=stall)  # re-armed at every trial below
     store = dist.TCPStore("127.0.0.1", a.port, 2, is_master=a.rank == 0, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False)  # rank 0 says its port first

@@ -31,44 +31,44 @@ TRIALS = 25
 def test_every_abort_releases_the_training_thread_and_the_waits_change_no_bit(tmp_path):
     args = [sys.executable, str(ROOT / "tests/procs/abort_race.py")]
     common = [str(tmp_path), "--trials", str(TRIALS), "--compare", "3"]
-    procs = [subprocess.Popen([*args, "0", "0", *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    deadline = time.monotonic() + 240
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]  # files, not pipes: a rank never waits on its reader
+    procs = [subprocess.Popen([*args, "0", "0", *common], stdout=open(logs[0], "w"), stderr=subprocess.STDOUT)]
     try:
-        while not (tmp_path / "port").exists() and procs[0].poll() is None and time.monotonic() < deadline - 200:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "port").exists() and procs[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert (tmp_path / "port").exists(), f"rank 0's store did not say its port: {logs[0].read_text()[-3000:]}"
         port = (tmp_path / "port").read_text()  # rank 0's store listens there
-        procs.append(subprocess.Popen([*args, "1", port, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-        outs = [_wait(p, rank, deadline, tmp_path) for rank, p in enumerate(procs)]
+        procs.append(subprocess.Popen([*args, "1", port, *common], stdout=open(logs[1], "w"), stderr=subprocess.STDOUT))
+        _wait(procs, time.monotonic() + 200, tmp_path)
     finally:
         for p in procs:
             p.kill()
+            p.wait()
     stuck = {f.name: f.read_text()[-6000:] for f in [*tmp_path.glob("hung-*.txt"), *tmp_path.glob("stall-*.txt")]
              if f.stat().st_size}
     assert not stuck, stuck
-    for rank, (p, out) in enumerate(zip(procs, outs)):
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        out = log.read_text()
         assert p.returncode == 0, out[-3000:]
         assert f"rank {rank}: 3 steps with and without ffstate's abortable waits: bit-identical" in out, out[-3000:]
         assert f"rank {rank}: {TRIALS} trials, every one left its step" in out, out[-3000:]
 
 
-def _wait(proc: subprocess.Popen, rank: int, deadline: float, out: Path) -> str:
-    """The process's output once it ends; if it wrote that it stalled (its Python stacks), its native stacks are
-    added (gdb, where installed) and it is killed."""
-    stall = out / f"stall-rank{rank}.txt"
-    while proc.poll() is None and time.monotonic() < deadline:
-        if stall.exists() and stall.stat().st_size:
-            try:
-                with open(stall, "a") as f:
-                    subprocess.run(["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"], stdout=f,
-                                   stderr=subprocess.STDOUT, timeout=60, check=False)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-            proc.kill()
-            break
+def _wait(procs: list[subprocess.Popen], deadline: float, out: Path) -> None:
+    """Until both ranks end; a rank that wrote that it stalled (its Python stacks) gets its native stacks added (gdb,
+    where installed), then both are killed."""
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        for rank, proc in enumerate(procs):
+            stall = out / f"stall-rank{rank}.txt"
+            if proc.poll() is None and stall.exists() and stall.stat().st_size:
+                try:
+                    with open(stall, "a") as f:
+                        gdb = ["gdb", "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt 30"]
+                        subprocess.run(gdb, stdout=f, stderr=subprocess.STDOUT, timeout=30, check=False)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+                for p in procs:
+                    p.kill()
+                return
         time.sleep(0.2)
-    try:
-        return proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()[0]

@@ -272,5 +272,6 @@ def test_a_version_is_recorded_as_reached_before_its_files_are_written(rank_slot
                 time.sleep(0.05)
     finally:
         p.close()
+    assert persist.complete_versions(job_dir) == [2, 3]
     assert [v for v, _ in seen] == [2, 3], seen
     assert all(reached >= v for v, reached in seen), seen

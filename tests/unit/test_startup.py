@@ -30,7 +30,16 @@ def test_the_block_runs_without_the_collector_and_what_it_made_is_frozen_after()
 
 def test_a_collector_that_was_off_stays_off():
     gc.disable()
+    gc.unfreeze()
     was = startup.pause()
     assert was is False and not gc.isenabled()
     startup.imported(was)
     assert not gc.isenabled() and gc.get_freeze_count() > 0
+
+
+def test_imports_that_fail_still_give_the_collector_back():
+    gc.enable()
+    with pytest.raises(ImportError):
+        with startup.collector_paused():
+            import ffstate_no_such_module  # noqa: F401
+    assert gc.isenabled()
