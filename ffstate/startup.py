@@ -29,8 +29,9 @@ def pause() -> bool:
     return was
 
 
-def imported(was: bool = True) -> None:
-    """After the imports: everything made so far frozen (``gc.freeze``), the collector on again if ``was``."""
+def imported(was: bool) -> None:
+    """After the imports: everything made so far frozen (``gc.freeze``), the collector on again if ``was`` (what
+    ``pause`` returned)."""
     gc.freeze()
     if was:
         gc.enable()
