@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ffstate.startup import collector_paused
+from ffstate.startup import collector_paused, exit_now
 
 # Run as torchrun's worker, its imports without Python's collector and what they made frozen: a restart's CPU
 # (ffstate/startup.py). Imported by another process (a benchmark's worker, a test), that process's collector is left be.
@@ -320,3 +320,4 @@ def _note(out: Path, event: dict) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

@@ -1,4 +1,5 @@
-"""A process's start: its imports with Python's cyclic collector paused, the objects they made frozen after.
+"""A process's start: its imports with Python's cyclic collector paused, the objects they made frozen after; and
+its end without the interpreter's finalization, where torch's gloo threads can abort it.
 
 Importing torch (and ffstate's daemon, or a training script's framework) makes some 200,000 objects that live as
 long as the process. CPython's collector walks them again and again while the imports run (a young collection every
@@ -13,13 +14,25 @@ where collecting them first would cost 0.24 s.
 ffstate does this in the processes it starts (``ffstate serve``, the daemon's flushing process) and in its demo's
 worker, never in a training process it is imported into: that process's collector is its owner's
 (docs/deployment.md says how a training script does the same).
+
+The end: after ``destroy_process_group`` a gloo process group that something still references (a DDP module, an
+FSDP2 mesh) keeps its worker threads, and a worker that drops a finished collective's tensors takes the interpreter
+lock to release their Python objects. If the main thread is finalizing the interpreter by then, CPython ends that
+thread in ``take_gil`` with a forced unwind through a ``noexcept`` destructor, and the process dies with SIGABRT
+("terminate called without an active exception") after its work is done (pytorch/pytorch#190489). Seen here in
+10% of 3-rank DCP loads into FSDP2 whose last step is ``full_tensor``'s all-gathers (a core dump:
+``~AsyncAllgatherCoalescedWork`` in ``ProcessGroupGloo::runLoop``). ``exit_now`` skips the finalization: ffstate's
+demo worker and its tests' job scripts end by it; a training script can do the same once its files are written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-from typing import Iterator
+import logging
+import os
+import sys
+from typing import Iterator, NoReturn
 
 
 def pause() -> bool:
@@ -46,3 +59,16 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         imported(was)
+
+
+def exit_now(code: int = 0) -> NoReturn:
+    """End the process with ``code`` once its work is done: the log handlers and the standard streams flushed,
+    then ``os._exit``, without the interpreter's finalization (no ``atexit`` handlers, no finalizers), where a gloo
+    worker thread still releasing a collective's tensors can abort the process (the module's docstring)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more can reach it
+            pass
+    os._exit(code)

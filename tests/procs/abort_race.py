@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from ffstate import inflight, shm  # noqa: E402
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets  # noqa: E402
 from ffstate.scheduling import marks  # noqa: E402
+from ffstate.startup import exit_now  # noqa: E402
 
 
 def main() -> None:
@@ -176,3 +177,4 @@ def _watch(fired: threading.Event, a: argparse.Namespace, trial: int) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

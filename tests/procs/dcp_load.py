@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from ffstate.startup import collector_paused  # noqa: E402
+from ffstate.startup import collector_paused, exit_now  # noqa: E402
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
@@ -56,6 +56,7 @@ def main() -> None:
         torch.save(got, a.out)
     if not a.plain:
         dist.destroy_process_group()
+    exit_now(0)  # not through the interpreter's finalization, where gloo's threads can abort it (ffstate/startup.py)
 
 
 if __name__ == "__main__":

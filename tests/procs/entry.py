@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ffstate.startup import collector_paused  # noqa: E402
+from ffstate.startup import collector_paused, exit_now  # noqa: E402
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
@@ -42,3 +42,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

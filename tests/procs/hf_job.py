@@ -11,7 +11,7 @@ the log (its timings aside).
 import argparse
 from pathlib import Path
 
-from ffstate.startup import collector_paused
+from ffstate.startup import collector_paused, exit_now
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
@@ -75,3 +75,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

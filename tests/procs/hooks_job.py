@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ffstate.startup import collector_paused
+from ffstate.startup import collector_paused, exit_now
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
@@ -76,3 +76,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

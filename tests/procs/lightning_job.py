@@ -12,7 +12,7 @@ the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and th
 import argparse
 from pathlib import Path
 
-from ffstate.startup import collector_paused
+from ffstate.startup import collector_paused, exit_now
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import lightning as L
@@ -86,3 +86,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from ffstate.startup import collector_paused
+from ffstate.startup import collector_paused, exit_now
 
 with collector_paused():  # imports without Python's collector: a process start's CPU (ffstate/startup.py)
     import torch
@@ -92,3 +92,4 @@ if __name__ == "__main__":
     framework, seconds = sys.argv[1], float(sys.argv[2])
     step = {"lightning": lightning, "transformers": transformers}[framework](seconds)
     print(f"finished at step {step}", flush=True)
+    exit_now()  # not through the interpreter's finalization, where gloo's threads can abort it

@@ -208,8 +208,9 @@ def test_fsdp2_rank_killed_resumes_bit_exact_and_its_persisted_version_loads_thr
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
                    str(ROOT / "tests/procs/dcp_load.py")]
-        subprocess.run([*cmd, str(vdir), "--out", str(tmp_path / name), *flags], check=True, timeout=180,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        load = subprocess.run([*cmd, str(vdir), "--out", str(tmp_path / name), *flags], timeout=180, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
+        assert load.returncode == 0, load.stdout[-3000:] + load.stderr[-6000:]
     three, one = torch.load(tmp_path / "three.pt", weights_only=True), torch.load(tmp_path / "one.pt", weights_only=True)
     assert_bitwise_equal(three, one)  # resharded from 2 ranks to 3 (uneven shards), and to 1: the same tensors
     for k, v in one["model"].items():  # ...and the job's own: its 2 ranks' shards at the end, laid end to end

@@ -1,7 +1,11 @@
 """ffstate/startup.py: a process's imports run without the cyclic collector, what they made is frozen after, and the
-collector is on again only if it was."""
+collector is on again only if it was; ``exit_now`` ends a process with its code, its output and logs flushed, and no
+finalization."""
 
 import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -43,3 +47,22 @@ def test_imports_that_fail_still_give_the_collector_back():
         with startup.collector_paused():
             import ffstate_no_such_module  # noqa: F401
     assert gc.isenabled()
+
+
+def test_exit_now_flushes_the_logs_and_streams_returns_the_code_and_skips_finalization(tmp_path):
+    log = tmp_path / "job.log"
+    script = textwrap.dedent(f"""
+        import atexit, logging, sys
+        from ffstate.startup import exit_now
+        logging.basicConfig(filename={str(log)!r}, level=logging.INFO)
+        logging.getLogger("job").info("last step written")
+        atexit.register(lambda: print("finalized", flush=True))
+        sys.stdout.write("out, no newline")  # buffered: only a flush gets it out
+        sys.stderr.write("err, no newline")
+        exit_now(3)
+        print("after exit_now")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert proc.stdout == "out, no newline" and proc.stderr == "err, no newline"  # no atexit, nothing after
+    assert log.read_text() == "INFO:job:last step written\n"
