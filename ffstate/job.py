@@ -128,6 +128,27 @@ class Job:
             while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
                 time.sleep(0.02)
 
+    def leave(self) -> None:
+        """This rank's last call on the job's store, at a clean exit. The store can live in rank 0's process
+        (torchrun's workers host it when they do not share its agent's: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
+        and a rank 0 that ends first takes it away under the others' last calls (a barrier's polling ends in
+        "Connection reset by peer", and torchrun restarts a job that had finished). So every other rank says it is
+        done with the store, and rank 0 returns once all have, or after ``exit_timeout``."""
+        if self.store is None:
+            return
+        key = self.key("left")
+        if self.rank != 0:
+            self.store.add(key, 1)
+            return
+        deadline = time.monotonic() + self.cfg.exit_timeout
+        while (left := int(self.store.add(key, 0))) < self.world - 1:
+            if time.monotonic() > deadline:
+                log.warning("rank 0: leaving the job's store (which its process may host) before %d of the other "
+                            "%d ranks said they were done with it (waited %.0f s, exit_timeout)",
+                            self.world - 1 - left, self.world - 1, self.cfg.exit_timeout)
+                return
+            time.sleep(0.01)
+
     def mark(self, name: str) -> None:
         """Says, under ``name``, that this rank got somewhere (``all_marked`` asks whether every rank did)."""
         if self.store is not None:

@@ -178,14 +178,9 @@ class Replicated:
                 log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
         if self.cfg.persist_dir:
             job.barrier("dropped")
-            if self.rank == 0:
-                done = persist.complete_versions(Path(self.cfg.persist_dir) / job.job, job.world)
-                if self._last in done:
-                    log.info("rank 0: the last step, %d, is in the persistent tier (%s)", self._last, self.cfg.persist_dir)
-                else:
-                    log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: "
-                                "%s); see the daemons' logs", self._last, done[-1] if done else "none")
+            _say_persisted(job, self.cfg.persist_dir, self._last)
         self._close()
+        job.leave()  # the last store call: rank 0, which may host the store, returns after the others' last
 
     def _register_stacks(self) -> None:
         """Every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder on SIGUSR1, which the node's
@@ -366,3 +361,16 @@ class Replicated:
         self.daemon = launch.node_daemon(self.job, lost=self.daemon.address)
         self.lag.replicated, self.lag.settle = 0, lag_mod.SETTLE_COMMITS  # its holders get full versions again
         self.job.record({"event": "daemon-restarted", "step": self._last})
+
+
+def _say_persisted(job: Job, persist_dir: str, last: int) -> None:
+    """Rank 0, at a clean exit once every node's daemon wrote the job's last versions: whether the last step is
+    complete in the persistent tier."""
+    if job.rank != 0:
+        return
+    done = persist.complete_versions(Path(persist_dir) / job.job, job.world)
+    if last in done:
+        log.info("rank 0: the last step, %d, is in the persistent tier (%s)", last, persist_dir)
+    else:
+        log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s); see the "
+                    "daemons' logs", last, done[-1] if done else "none")
