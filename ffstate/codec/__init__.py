@@ -1,4 +1,4 @@
-"""The lossless snapshot codec: pack a state into one flat buffer, encode it (full, or an XOR delta
+"""The lossless snapshot codec: pack a state into one flat buffer, encode it (full, or a delta
 against a base) into checksummed chunks, and back, bit for bit (docs/design.md I1, I2, I6).
 
 Two levels:
@@ -9,7 +9,7 @@ Two levels:
   new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
 
 Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter; the razor's fingerprint); the
-encoding itself, an XOR against the base and python-blosc2 (``segment``), runs on host buffers, where the daemon
+encoding itself, the zigzag difference from the base and python-blosc2 (``segment``), runs on host buffers, where the daemon
 keeps every version. The wire format is in docs/wire-format.md.
 
 The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``pack`` (state <-> buffer),

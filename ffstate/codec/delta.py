@@ -1,6 +1,6 @@
-"""Buffer <-> chunks: a snapshot encoded in full or as an XOR delta against a base (each segment compressed by
-blosc2: ``segment.py``), decoded and verified end to end, applied in place onto its base, or reverted (XOR
-deltas are their own inverse: docs/design.md I2, I3). A failure leaves every buffer as it was. And the
+"""Buffer <-> chunks: a snapshot encoded in full or as a delta against a base (the elements' zigzag differences,
+each segment compressed by blosc2: ``segment.py``), decoded and verified end to end, applied in place onto its base,
+or reverted (a delta taken off again: docs/design.md I2, I3). A failure leaves every buffer as it was. And the
 state-level ``encode``/``decode`` on top. The codec runs on CPU buffers (the daemon's): a CUDA buffer is
 brought to the host first."""
 
@@ -24,7 +24,7 @@ from ffstate.layout import Manifest
 
 def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     codec: str = "lz4") -> Packed:
-    """Encodes a snapshot as a full version, or as an XOR delta against ``base`` (same layout); ``codec`` is
+    """Encodes a snapshot as a full version, or as a delta against ``base`` (same layout); ``codec`` is
     blosc2's entropy stage: ``lz4`` (streaming: fast both ways) or ``zstd`` (smaller, slower).
 
     Raises:
@@ -91,7 +91,7 @@ def decode_snapshot(
     The result's buffer is on ``device`` for a full version, on the base's device for a delta (decoded on
     the host, then copied there). With ``inplace``, a delta is applied to
     ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
-    as it was, since an XOR delta applied twice is undone (docs/design.md I2).
+    as it was: the delta is taken off again (docs/design.md I2).
     ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
     budget allows); the chunk count is checked against the manifest before anything is allocated.
 
@@ -132,7 +132,7 @@ def decode_snapshot(
     got = buffer_checksum(out)
     if got != packed.checksum:
         if inplace:
-            _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
+            _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out, revert=True)  # undo
         raise CodecError(
             f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
             "the chunks do not belong to this version or its base"
@@ -144,7 +144,7 @@ def decode_snapshot(
 def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
     """Steps ``snapshot`` (the version a delta produced) back to the delta's base, in place.
 
-    XOR deltas are their own inverse, so a replica keeps its last deltas instead of old copies
+    A delta taken off its version gives its base back, so a replica keeps its last deltas instead of old copies
     (docs/design.md I3). The delta carries only the new version's scalars: ``base_scalars`` are the
     base's. On any failure the buffer is left as it was.
 
@@ -161,18 +161,18 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
     manifest = snapshot.manifest.with_scalars(base_scalars)
     _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
     out = snapshot.buffer
-    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)
+    _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out, revert=True)
     got = buffer_checksum(out)
     if got != packed.base_checksum:
-        _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo
+        _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out)  # undo: the delta on again
         raise CodecError(f"reverting gave checksum {got:016x}, the delta's base has {header['base_checksum']}")
     return Snapshot(manifest, out, got)
 
 
 def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tuple[int, int, int]], count: int,
                    codec: str, only: Sequence[int] | None = None) -> list[Chunk]:
-    """The chunks 1.. of a version (``only``: of these segments): each segment of ``buf`` (XOR ``base``) encoded and
-    checksummed in one task."""
+    """The chunks 1.. of a version (``only``: of these segments): each segment of ``buf`` (its delta from ``base``)
+    encoded and checksummed in one task."""
     host = buf.cpu().numpy()
     base_host = None if base is None else base.cpu().numpy()
     chosen = range(len(segs)) if only is None else only
@@ -188,9 +188,9 @@ def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tupl
 
 
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor,
-                  into_zeros: bool = False) -> None:
-    """XORs every segment into ``out`` (``into_zeros``: a new zeroed buffer, decompressed straight into); if one is
-    malformed, the others are undone and CodecError raised."""
+                  into_zeros: bool = False, revert: bool = False) -> None:
+    """Applies every segment onto ``out`` (``revert``: takes every one off; ``into_zeros``: a full version's new
+    buffer, decompressed straight into); if one is malformed, the others are undone and CodecError raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
     host = out.numpy()
@@ -198,10 +198,14 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
     def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
         payload, (off, n, size) = item
         try:
-            apply_segment(payload, size, off, host[off : off + n * size], into_zeros)
+            apply_segment(payload, size, off, host[off : off + n * size], into_zeros, revert)
         except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
             return e
         return None
+
+    def undo(item: tuple[np.ndarray, tuple[int, int, int]]) -> None:
+        payload, (off, n, size) = item
+        apply_segment(payload, size, off, host[off : off + n * size], revert=not revert)
 
     items = list(zip(payloads, segs))
     inline = out.numel() < POOL_MIN_BYTES
@@ -209,7 +213,7 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
     failed = [e for e in errors if e is not None]
     if failed:
         if not into_zeros:  # a new buffer is dropped with the error; a base is restored
-            _map(apply, [item for item, e in zip(items, errors) if e is None], inline=inline)  # XOR again: undone
+            _map(undo, [item for item, e in zip(items, errors) if e is None], inline=inline)
         raise failed[0]
 
 

@@ -3,8 +3,8 @@ W applied deltas, under a memory budget that is never exceeded.
 
 A pushed version is staged chunk by chunk (each checksum verified) and becomes the held version
 only at commit, when the whole version's checksum matches (docs/design.md I2): a push that breaks off,
-or a commit that fails, leaves the replica exactly at its previous version. XOR deltas are their
-own inverse, so the kept deltas step a replica back without a second copy (I3). Every byte held is
+or a commit that fails, leaves the replica exactly at its previous version. A delta taken off
+again gives its base back, so the kept deltas step a replica back without a second copy (I3). Every byte held is
 reserved against the budget before it is allocated; a request that would exceed it is refused
 (I5). Errors are ``ReplicaError`` with the gRPC status name the servicer answers with; this module
 never sees protobuf types.

@@ -245,7 +245,7 @@ def test_malformed_segment_with_valid_checksum_is_refused(pair, what, mutate):
         codec.decode(rewrite_segment(d, 1, mutate(bytes(d.chunks[1].payload))), s0)
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("fmt", [1, 2, 3])
 def test_a_version_of_an_older_wire_format_is_refused_saying_why(pair, fmt):
     s0, _, d, _ = pair
     head = json.loads(bytes(d.chunks[0].payload))
@@ -253,7 +253,7 @@ def test_a_version_of_an_older_wire_format_is_refused_saying_why(pair, fmt):
     with pytest.raises(CodecError, match=f"wire format {fmt} .* an ffstate of another version sent it: run one version "
                                          "on every node"):
         codec.decode(rewrite_segment(d, 0, json.dumps(head).encode()), s0)
-    # As an older ffstate sends it: its header chunk's checksum of the older kind, which does not match ours.
+    # With a header chunk checksum that does not match ours (formats 1 and 2 summed their chunks another way).
     payload = np.frombuffer(json.dumps(head).encode(), dtype=np.uint8)
     chunks = list(d.chunks)
     chunks[0] = Chunk(0, chunks[0].count, checksum.fingerprint(payload), memoryview(payload))

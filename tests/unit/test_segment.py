@@ -1,5 +1,5 @@
-"""ffstate/codec/segment.py (one segment on the wire: blosc2 after ffstate's XOR) and ffstate/checksum.py (the checksum
-and the razor's fingerprint)."""
+"""ffstate/codec/segment.py (one segment on the wire: blosc2 after ffstate's zigzag difference) and
+ffstate/checksum.py (the checksum and the razor's fingerprint)."""
 
 import blosc2
 import numpy as np
@@ -25,8 +25,8 @@ def test_a_segment_round_trips_any_bytes_full_or_as_a_delta(data, itemsize, dens
     out = base.copy() if delta else np.zeros_like(cur)
     segment.apply_segment(enc, itemsize, 128, out, into_zeros=not delta)
     assert out.tobytes() == cur.tobytes()
-    if delta:  # XOR deltas are their own inverse: applied again, the base comes back
-        segment.apply_segment(enc, itemsize, 128, out)
+    if delta:  # taken off again, the base comes back
+        segment.apply_segment(enc, itemsize, 128, out, revert=True)
         assert out.tobytes() == base.tobytes()
 
 
@@ -42,6 +42,7 @@ def _encoded(n: int = 4096, itemsize: int = 4) -> bytearray:
 
 @pytest.mark.parametrize("what, change, match", [
     ("an older format", lambda b: b"FFS1" + b[4:], "wire format 1: an older ffstate"),
+    ("the XOR deltas' format", lambda b: b"FFS2" + b[4:], "wire format 2 or 3: an older ffstate"),
     ("another place", lambda b: b[:8] + (128).to_bytes(8, "little") + b[16:], "out of place"),
     ("a truncated stream", lambda b: b[:-7], "the chunk carries"),
     ("a stream of another size", lambda b: b[:24] + bytes(b[24:28]) + (16385).to_bytes(4, "little") + b[32:],
@@ -54,6 +55,24 @@ def test_a_malformed_segment_is_refused_before_anything_is_written(what, change,
     with pytest.raises(CodecError, match=match):
         segment.apply_segment(bad, 4, 64, out)
     assert (out == 7).all(), what
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_a_small_move_either_way_leaves_the_delta_s_high_bytes_zero_where_xor_does_not(dtype):
+    """The reason the delta is a zigzag difference: a value one unit in the last place away, either way, across a
+    carry of its mantissa (1.0 and the float below it) differs by 1 as an integer; its XOR sets every mantissa bit."""
+    one = np.array([1.0, 1.0, 1.5, -2.0], dtype=dtype)
+    below = np.nextafter(one, np.array(-np.inf, dtype=dtype))  # 0x3F7FFFFF beside 0x3F800000 for fp32's 1.0
+    size = one.itemsize
+    for cur, base in ((one, below), (below, one)):
+        d = segment.delta(cur.view(np.uint8), base.view(np.uint8), size).copy()
+        lanes = d.reshape(-1, size)
+        assert (lanes[:, 1:] == 0).all() and set(lanes[:, 0].tolist()) <= {1, 2}  # zigzag: +1 -> 2, -1 -> 1
+        xor = (cur.view(np.uint8) ^ base.view(np.uint8)).reshape(-1, size)
+        assert (xor[:2, 1:] != 0).any()  # 1.0 against the float below it: the carry reaches the high bytes
+        out = base.view(np.uint8).copy()
+        segment.undelta(d, out, size)
+        assert out.tobytes() == cur.tobytes()
 
 
 def test_blosc2_is_called_below_its_two_gigabyte_limit():
