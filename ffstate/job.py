@@ -119,33 +119,40 @@ class Job:
         self.store.wait(keys, timedelta(timeout))
         return [json.loads(v) for v in self.store.multi_get(keys)]
 
-    def barrier(self, name: str) -> None:
-        """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``."""
-        if self.store is not None:
-            key = self.key("barrier", name)
-            self.store.add(key, 1)
-            deadline = time.monotonic() + self.cfg.exit_timeout
-            while int(self.store.add(key, 0)) < self.world and time.monotonic() < deadline:
-                time.sleep(0.02)
+    def barrier(self, name: str) -> int:
+        """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``; returns how many had
+        (``world`` unless it timed out)."""
+        if self.store is None:
+            return 1
+        key = self.key("barrier", name)
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.cfg.exit_timeout
+        while (reached := int(self.store.add(key, 0))) < self.world and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return reached
 
-    def leave(self) -> None:
+    def leave(self, others: int, timeout: float) -> None:
         """This rank's last call on the job's store, at a clean exit. The store can live in rank 0's process
         (torchrun's workers host it when they do not share its agent's: ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``),
-        and a rank 0 that ends first takes it away under the others' last calls (a barrier's polling ends in
-        "Connection reset by peer", and torchrun restarts a job that had finished). So every other rank says it is
-        done with the store, and rank 0 returns once all have, or after ``exit_timeout``."""
+        and a rank 0 that ended first would take it away under the others' last calls (a barrier's polling ended
+        in "Connection reset by peer", and torchrun restarted a job that had finished). So every other rank says it
+        is done with the store, and rank 0 returns once ``others`` have (the ranks that reached the exit barrier,
+        less itself), or after ``timeout`` seconds. A rank that finds the store gone says so and goes on: its job
+        has ended."""
         if self.store is None:
             return
         key = self.key("left")
         if self.rank != 0:
-            self.store.add(key, 1)
+            try:
+                self.store.add(key, 1)
+            except RuntimeError as e:  # torch's DistNetworkError: rank 0's process ended first
+                log.warning("rank %d: the job's store was gone at its last call (%s): rank 0 left first", self.rank, e)
             return
-        deadline = time.monotonic() + self.cfg.exit_timeout
-        while (left := int(self.store.add(key, 0))) < self.world - 1:
+        deadline = time.monotonic() + timeout
+        while (left := int(self.store.add(key, 0))) < others:
             if time.monotonic() > deadline:
-                log.warning("rank 0: leaving the job's store (which its process may host) before %d of the other "
-                            "%d ranks said they were done with it (waited %.0f s, exit_timeout)",
-                            self.world - 1 - left, self.world - 1, self.cfg.exit_timeout)
+                log.warning("rank 0: leaving the job's store (which its process may host) before %d of %d other "
+                            "ranks said they were done with it (waited %.0f s)", others - left, others, timeout)
                 return
             time.sleep(0.01)
 

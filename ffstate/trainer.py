@@ -165,22 +165,26 @@ class Replicated:
                             lag.replicated, self._last)
         version = lag.replicated if self.holders else self._last
         lag.publish(version)
-        job.barrier("exit")
-        lag.publish(version)
-        log.info("rank %d: job %s done at step %d; global committed version %d", self.rank, job.job, self._last,
-                 job.global_committed)
-        razor_info = self.razor.finished(self._slots.manifest) if self._slots is not None else {}
-        job.record({"event": "finished", "step": self._last, "global_committed": job.global_committed, **razor_info})
-        if self.topology.first_on_node:
-            try:  # the daemon writes the job's last versions to its persistent tier first
-                self.daemon.drop(job.job, timeout=FINAL_WAIT + 30)
-            except ReplicaError as e:
-                log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
-        if self.cfg.persist_dir:
-            job.barrier("dropped")
-            _say_persisted(job, self.cfg.persist_dir, self._last)
-        self._close()
-        job.leave()  # the last store call: rank 0, which may host the store, returns after the others' last
+        reached = job.barrier("exit")
+        try:
+            lag.publish(version)
+            log.info("rank %d: job %s done at step %d; global committed version %d", self.rank, job.job, self._last,
+                     job.global_committed)
+            razor_info = self.razor.finished(self._slots.manifest) if self._slots is not None else {}
+            job.record({"event": "finished", "step": self._last, "global_committed": job.global_committed,
+                        **razor_info})
+            if self.topology.first_on_node:
+                try:  # the daemon writes the job's last versions to its persistent tier first
+                    self.daemon.drop(job.job, timeout=FINAL_WAIT + 30)
+                except ReplicaError as e:
+                    log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
+            if self.cfg.persist_dir:
+                job.barrier("dropped")
+                _say_persisted(job, self.cfg.persist_dir, self._last)
+            self._close()
+        finally:  # the last store call: rank 0, which may host the store, returns after the others' last (a node's
+            # daemon may take FINAL_WAIT + 30 s to write the job's last versions)
+            job.leave(reached - 1, self.cfg.exit_timeout + (FINAL_WAIT + 30 if self.cfg.persist_dir else 0))
 
     def _register_stacks(self) -> None:
         """Every thread's stack to ``stacks-rank<R>.txt`` in the job's run folder on SIGUSR1, which the node's

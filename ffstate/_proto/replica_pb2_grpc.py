@@ -157,8 +157,8 @@ class ReplicaServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StepBack(self, request, context):
-        """Steps a replica back to an older version it still holds the deltas for (XOR deltas are their
-        own inverse), discarding the newer ones.
+        """Steps a replica back to an older version it still holds the deltas for (each taken off the
+        version it made), discarding the newer ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

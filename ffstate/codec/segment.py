@@ -49,14 +49,21 @@ LANES = {1: (np.uint8, np.int8, 7), 2: (np.uint16, np.int16, 15), 4: (np.uint32,
 
 
 def _scratch(nbytes: int, which: int = 0) -> np.ndarray:
-    """Per-thread buffer ``which`` (0 or 1) of at least ``nbytes``: a segment's delta or decompressed bytes, and the
-    zigzag's sign mask."""
+    """Per-thread buffer ``which`` of at least ``nbytes``: 0, a segment's delta or decompressed bytes (a segment's
+    size, at least 1 MiB); 1, the zigzag's sign mask (one ``MASK_BYTES`` block)."""
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
     if bufs[which].size < nbytes:
-        bufs[which] = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        bufs[which] = np.empty(max(nbytes, 1 << 20) if which == 0 else nbytes, dtype=np.uint8)
     return bufs[which][:nbytes]
+
+
+MASK_BYTES = 256 << 10  # the zigzag runs block by block: its sign mask stays small and in cache
+
+
+def _blocks(n: int, lane: int) -> range:
+    return range(0, n, MASK_BYTES // lane)
 
 
 def delta(data: np.ndarray, base: np.ndarray, itemsize: int) -> np.ndarray:
@@ -64,9 +71,13 @@ def delta(data: np.ndarray, base: np.ndarray, itemsize: int) -> np.ndarray:
     thread's next segment)."""
     unsigned, signed, top = LANES[itemsize]
     d = np.subtract(data.view(unsigned), base.view(unsigned), out=_scratch(data.size).view(unsigned)).view(signed)
-    sign = np.right_shift(d, top, out=_scratch(data.size, 1).view(signed))  # 0, or every bit set
-    np.left_shift(d, 1, out=d)
-    np.bitwise_xor(d, sign, out=d)
+    mask = _scratch(min(data.size, MASK_BYTES), 1).view(signed)
+    step = mask.size
+    for i in _blocks(d.size, d.itemsize):
+        blk = d[i : i + step]
+        sign = np.right_shift(blk, top, out=mask[: blk.size])  # 0, or every bit set
+        np.left_shift(blk, 1, out=blk)
+        np.bitwise_xor(blk, sign, out=blk)
     return d.view(np.uint8)
 
 
@@ -74,12 +85,16 @@ def undelta(z: np.ndarray, out: np.ndarray, itemsize: int, revert: bool = False)
     """``out += unzigzag(z)`` in ``itemsize``-wide lanes (``revert``: ``out -=``), modulo 2^bits; ``z`` is
     overwritten."""
     unsigned = LANES[itemsize][0]
-    zu = z.view(unsigned)
-    sign = np.bitwise_and(zu, 1, out=_scratch(z.size, 1).view(unsigned))
-    np.negative(sign, out=sign)  # 0, or every bit set
-    np.right_shift(zu, 1, out=zu)
-    np.bitwise_xor(zu, sign, out=zu)
-    (np.subtract if revert else np.add)(out.view(unsigned), zu, out=out.view(unsigned))
+    zu, into = z.view(unsigned), out.view(unsigned)
+    mask = _scratch(min(z.size, MASK_BYTES), 1).view(unsigned)
+    step, combine = mask.size, np.subtract if revert else np.add
+    for i in _blocks(zu.size, zu.itemsize):
+        blk = zu[i : i + step]
+        sign = np.bitwise_and(blk, 1, out=mask[: blk.size])
+        np.negative(sign, out=sign)  # 0, or every bit set
+        np.right_shift(blk, 1, out=blk)
+        np.bitwise_xor(blk, sign, out=blk)
+        combine(into[i : i + step], blk, out=into[i : i + step])
 
 
 def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, offset: int,

@@ -40,7 +40,7 @@ TRAINER_STATE = "trainer_state.json"  # the one file of the folder the Trainer r
 class _TrainerState:
     """The ``TrainerState`` for ffstate: its fields but the log as one JSON string, and the log (``log_history``, which
     grows by an entry per logging step for the whole run) as the JSON lines of its entries in a byte tensor. Each
-    entry is serialized once, when it appears; the tensor's bytes before it never change, so a commit's XOR delta of
+    entry is serialized once, when it appears; the tensor's bytes before it never change, so a commit's delta of
     the log is the new entries alone, and the tensor's capacity doubles when full (its layout changes that rarely)."""
 
     MIN_CAPACITY = 4096

@@ -7,7 +7,7 @@ is zero. The manifest carries the structure (dicts, lists, tuples, keys), every 
 shape and offset. It is never pickle: it is safe to build from untrusted bytes (docs/design.md I6).
 
 The *layout* of a manifest is everything except the scalar values and devices; two states with the
-same layout (same ``layout_id``) can be XOR-delta'd against each other.
+same layout (same ``layout_id``) can be delta-encoded against each other.
 
 The package: ``manifest`` (the plain-data description and its validation), ``tree`` (walking a state),
 ``buffers`` (bytes in and out of the flat buffer), ``gc`` (the collector paused over large walks).

@@ -1,7 +1,7 @@
 """The manifest: a state's structure, its scalars and where each tensor lives in the flat buffer (dtype groups,
 64-byte aligned offsets), as plain data. It is never pickle: ``Manifest.from_json`` builds one from untrusted
 bytes, bounded and validated (docs/design.md I6). The *layout* is everything but the scalar values and devices;
-two states of one ``layout_id`` can be XOR-delta'd against each other."""
+two states of one ``layout_id`` can be delta-encoded against each other."""
 
 from __future__ import annotations
 

@@ -121,6 +121,9 @@ def main() -> None:
     kinds = sorted({k for _, k in left})
     print(f"rank {a.rank}: {a.trials} trials, every one left its step; steps before the abort "
           f"{[s for s, _ in left]}; errors {kinds}", flush=True)
+    store.set(f"left-{a.rank}", "1")  # rank 0 hosts the store: it ends last, after rank 1's last call
+    if a.rank == 0:
+        store.wait(["left-1"])
 
 
 _done: dict[int, bool] = {}

@@ -38,14 +38,14 @@ def main() -> None:
         store = dist.TCPStore("127.0.0.1", int((out / "port").read_text()), 2, is_master=False)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     job = Job(Config(job_id=out.name, token="t"))
-    job.barrier("exit")
+    reached = job.barrier("exit")
     if rank == 1:  # late: half a second, or (without the hand-over) until rank 0's process is gone, as under load it can be
         time.sleep(0.5)
         while not leave and Path(f"/proc/{(out / 'pid0').read_text()}").exists() and time.monotonic() < deadline + 60:
             time.sleep(0.05)
         job.store.add(job.key("late"), 1)  # a call that waits for the store's answer
     if leave:
-        job.leave()
+        job.leave(reached - 1, 60.0)
     if rank == 0:
         print(f"rank 1's late call reached the store: {job.store.check([job.key('late')])}", flush=True)
     exit_now(0)  # at once: the store goes with rank 0's process
@@ -53,4 +53,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_now()

@@ -327,6 +327,30 @@ def test_revert_steps_a_snapshot_back_through_its_deltas_bitwise():
         codec.revert_snapshot(deltas[1], held, snaps[0].manifest.scalars)
 
 
+@pytest.mark.parametrize("fault", ["a malformed segment", "another base"])
+def test_a_revert_that_fails_leaves_the_snapshot_as_it_was(fault):
+    """Large enough for the codec's thread pool (8 MB in 32 segments): one segment refused after the others were
+    taken off, or a result that is not the delta's base, and every byte is put back."""
+    g = torch.Generator().manual_seed(3)
+    a = {"w": torch.randn(2 << 20, generator=g), "h": torch.randn(1 << 19, generator=g).to(torch.bfloat16)}
+    b = {k: v + (torch.randn(v.shape, generator=g) * 1e-3).to(v.dtype) for k, v in a.items()}
+    sa, sb = codec.pack(a), codec.pack(b)
+    packed = codec.encode_snapshot(sb, sa, chunk_bytes=256 << 10)
+    assert len(packed.chunks) > 30
+    if fault == "a malformed segment":
+        bad = bytearray(bytes(packed.chunks[17].payload))
+        bad[:4] = b"FFS9"
+        packed, match = rewrite_segment(packed, 17, bad), "magic"
+    else:
+        head = json.loads(bytes(packed.chunks[0].payload))
+        head["base_checksum"] = f"{(sa.checksum + 1) % 2**64:016x}"
+        packed, match = rewrite_segment(packed, 0, json.dumps(head).encode()), "reverting gave checksum"
+    held = codec.Snapshot(sb.manifest, sb.buffer.clone(), sb.checksum)
+    with pytest.raises(CodecError, match=match):
+        codec.revert_snapshot(packed, held, sa.manifest.scalars)
+    assert torch.equal(contiguous_bits(held.buffer), contiguous_bits(sb.buffer))
+
+
 # ---------------------------------------------------------------- streaming decode (remote restore)
 
 
