@@ -270,8 +270,8 @@ class Persister:
             if got is None:
                 with self._queue.mutex:
                     busy = {(j.key.job_id, j.version) for j in self._queue.queue if j is not None}
-                if self._writing is not None:
-                    busy.add(self._writing)
+                    if self._queue.unfinished_tasks > len(self._queue.queue):  # one taken off it and not done yet:
+                        busy.add(self._writing or ("", -1))  # being written, or about to be (set under our lock)
                 got = not busy - {(job, version)}
                 self._decided[(job, version)] = got
                 while len(self._decided) > DECIDED:
