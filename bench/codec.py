@@ -5,8 +5,8 @@ Trains TinyGPT with AdamW (in fp32, and a bf16 copy of the model trained the sam
 states and measures, in one run and interleaved (medians over repeats), for each entropy stage (python-blosc2
 with LZ4 and with ZSTD, level 1, a byte shuffle by element size) and each number of codec threads:
 
-- encode: the delta (zigzag differences) against the previous state, from packed buffers (what the daemon does with a slot),
-  compressed, each chunk checksummed;
+- encode: the delta (zigzag differences) against the previous state, from packed buffers (what the daemon does
+  with a slot), compressed, each chunk checksummed;
 - decode in place: every chunk verified, decompressed and added onto the held base, the result checksummed
   (what a holder does);
 - both together, as throughput and as a ratio to one plain copy of the same bytes (one thread);

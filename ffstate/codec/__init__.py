@@ -8,9 +8,9 @@ Two levels:
   the caller owns, ``encode_snapshot``/``decode_snapshot`` on buffers, ``unpack`` a buffer into a
   new state, and ``restore_into`` a live model/optimizer state in place (``copy_``).
 
-Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter; the razor's fingerprint); the
-encoding itself, the zigzag difference from the base and python-blosc2 (``segment``), runs on host buffers, where the daemon
-keeps every version. The wire format is in docs/wire-format.md.
+Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather and scatter; the razor's
+fingerprint); the encoding itself, the zigzag difference from the base and python-blosc2 (``segment``), runs on
+host buffers, where the daemon keeps every version. The wire format is in docs/wire-format.md.
 
 The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``pack`` (state <-> buffer),
 ``segment`` (one segment on the wire: blosc2), ``delta`` (buffer <-> chunks, and the state level), ``decoder``

@@ -12,8 +12,8 @@ turns a carry across a mantissa bit into a run of ones). On AdamW deltas: 1.51x 
 1.64x with ZSTD for 1.53x, and bf16 3.01x and 4.33x for 2.66x and 3.70x (benchmarks/2026-11-27-zigzag-delta.md).
 blosc2 does the entropy stage: a byte shuffle by the element size (the high bytes gathered together compress),
 then LZ4 (streaming: fast both ways) or ZSTD (smaller, slower). It releases the interpreter lock while it works,
-so the codec's thread pool runs segments in parallel. A delta applied with ``revert`` is undone: a holder steps a
-replica back by its kept deltas (docs/design.md).
+so the codec's thread pool runs segments in parallel. ``revert`` takes a delta off the version it made: a holder
+steps a replica back by its kept deltas (docs/design.md).
 
 A decoder refuses, before it writes anything, a segment that is not where the manifest puts it or whose
 compressed stream says another size; the chunk checksums have already refused any corrupted byte.

@@ -39,7 +39,8 @@ def main() -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     job = Job(Config(job_id=out.name, token="t"))
     reached = job.barrier("exit")
-    if rank == 1:  # late: half a second, or (without the hand-over) until rank 0's process is gone, as under load it can be
+    if rank == 1:  # late: half a second, or (without the hand-over) until rank 0's process is gone, as under load
+        # it can be
         time.sleep(0.5)
         while not leave and Path(f"/proc/{(out / 'pid0').read_text()}").exists() and time.monotonic() < deadline + 60:
             time.sleep(0.05)
