@@ -21,10 +21,10 @@ pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mo
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.skipif(
     os.environ.get("FFSTATE_ABORT_RACE") != "1",
-    reason="kept out of the suite: 2 of 71 runs failed on 2026-11-27 after its store's port race was mended (a rank "
-           "stalled in gc.collect() between trials, not explained; a rank ended with SIGABRT at exit after passing, "
-           "likely torch's gloo threads at finalization, which its ranks now skip) (docs/inprocess.md, Notes); run "
-           "it with FFSTATE_ABORT_RACE=1")]
+    reason="kept out of the suite: 2 of 101 runs failed on 2026-11-27 after its store's port race was mended (a "
+           "rank stalled in gc.collect() between trials, not explained; a rank ended with SIGABRT at exit after "
+           "passing, likely torch's gloo threads at finalization, which its ranks now skip; 30 of 30 passed since) "
+           "(docs/inprocess.md, Notes); run it with FFSTATE_ABORT_RACE=1")]
 ROOT = Path(__file__).resolve().parents[2]
 TRIALS = 25
 
