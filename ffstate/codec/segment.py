@@ -62,18 +62,13 @@ def _scratch(nbytes: int, which: int = 0) -> np.ndarray:
 MASK_BYTES = 256 << 10  # the zigzag runs block by block: its sign mask stays small and in cache
 
 
-def _blocks(n: int, lane: int) -> range:
-    return range(0, n, MASK_BYTES // lane)
-
-
 def delta(data: np.ndarray, base: np.ndarray, itemsize: int) -> np.ndarray:
     """``zigzag(data - base)`` in ``itemsize``-wide integer lanes (a per-thread scratch buffer: use it before the
     thread's next segment)."""
     unsigned, signed, top = LANES[itemsize]
     d = np.subtract(data.view(unsigned), base.view(unsigned), out=_scratch(data.size).view(unsigned)).view(signed)
-    mask = _scratch(min(data.size, MASK_BYTES), 1).view(signed)
-    step = mask.size
-    for i in _blocks(d.size, d.itemsize):
+    mask, step = _scratch(min(data.size, MASK_BYTES), 1).view(signed), MASK_BYTES // d.itemsize
+    for i in range(0, d.size, step):
         blk = d[i : i + step]
         sign = np.right_shift(blk, top, out=mask[: blk.size])  # 0, or every bit set
         np.left_shift(blk, 1, out=blk)
@@ -86,9 +81,9 @@ def undelta(z: np.ndarray, out: np.ndarray, itemsize: int, revert: bool = False)
     overwritten."""
     unsigned = LANES[itemsize][0]
     zu, into = z.view(unsigned), out.view(unsigned)
-    mask = _scratch(min(z.size, MASK_BYTES), 1).view(unsigned)
-    step, combine = mask.size, np.subtract if revert else np.add
-    for i in _blocks(zu.size, zu.itemsize):
+    mask, step = _scratch(min(z.size, MASK_BYTES), 1).view(unsigned), MASK_BYTES // zu.itemsize
+    combine = np.subtract if revert else np.add
+    for i in range(0, zu.size, step):
         blk = zu[i : i + step]
         sign = np.bitwise_and(blk, 1, out=mask[: blk.size])
         np.negative(sign, out=sign)  # 0, or every bit set
