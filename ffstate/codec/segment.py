@@ -92,6 +92,13 @@ def undelta(z: np.ndarray, out: np.ndarray, itemsize: int, revert: bool = False)
         combine(into[i : i + step], blk, out=into[i : i + step])
 
 
+def compress(d: np.ndarray, itemsize: int, codec: str = "lz4") -> bytes:
+    """The entropy stage alone: blosc2's stream of ``d`` (a byte shuffle by ``itemsize``, level ``LEVEL``)."""
+    return blosc2.compress2(d, typesize=itemsize, clevel=LEVEL, codec=CODECS[codec], nthreads=THREADS[0],
+                            filters=[blosc2.Filter.SHUFFLE if itemsize > 1 else blosc2.Filter.NOFILTER],
+                            filters_meta=[0], splitmode=blosc2.SplitMode.NEVER_SPLIT, blocksize=BLOCK)
+
+
 def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, offset: int,
                    codec: str = "lz4") -> np.ndarray:
     """One segment (``data``, and ``base`` for a delta: n*itemsize bytes each) -> its payload (header and
@@ -101,9 +108,7 @@ def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, off
     d = data
     if base is not None:
         d = delta(data, base, itemsize)
-    body = blosc2.compress2(d, typesize=itemsize, clevel=LEVEL, codec=CODECS[codec], nthreads=THREADS[0],
-                            filters=[blosc2.Filter.SHUFFLE if itemsize > 1 else blosc2.Filter.NOFILTER],
-                            filters_meta=[0], splitmode=blosc2.SplitMode.NEVER_SPLIT, blocksize=BLOCK)
+    body = compress(d, itemsize, codec)
     out = np.empty(SEGMENT.size + len(body), dtype=np.uint8)
     SEGMENT.pack_into(out, 0, MAGIC, itemsize, offset, data.size // itemsize)
     out[SEGMENT.size:] = np.frombuffer(body, dtype=np.uint8)
