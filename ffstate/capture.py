@@ -74,8 +74,9 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
     # keep_vars: the parameters themselves, detached by `local` (a plain tensor's detach is cheap, a
     # DTensor's goes through DTensor's dispatch): the same dict as state_dict() gives.
     with torch.no_grad():
-        state = {"model": local(model.state_dict(keep_vars=True)), "optim": local(optimizer_state(optimizer)),
-                 "rng": rng_state()}
+        optim = optimizer_state(optimizer)
+        state = {"model": local(model.state_dict(keep_vars=True)),
+                 "optim": optim if plain_optimizer(optimizer) else local(optim), "rng": rng_state()}
     if lr_scheduler is not None:
         state["sched"] = lr_scheduler.state_dict()
     if extra is not None:
@@ -147,6 +148,26 @@ def check_restorable(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
                            f"buffers (e.g. {copies[:3]}: a state_dict hook makes new tensors, as fused attention weights "
                            "split for checkpoints do); ffstate restores a sharded model in place and could not restore "
                            "them. Give it a module whose state_dict() holds the parameters themselves (docs/torchtitan.md)")
+
+
+def plain_optimizer(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt``'s state dict holds plain tensors only, as torch's optimizers keep it for plain parameters:
+    none of its parameters is a DTensor (whose state would be), no group is ``differentiable`` (whose state may
+    require grad). ``local`` would then rebuild that state unchanged; a commit skips the walk (3.1 of 14 ms of the
+    capture at 7,699 tensors, 50 us at 115). One look at each parameter's type, not a walk of the state."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        opt = opt.optim  # its shard is what is captured (``optimizer_state``)
+    dtensor, tensor, parameter = _dtensor_type(), torch.Tensor, torch.nn.Parameter
+    for group in opt.param_groups:
+        if group.get("differentiable"):
+            return False
+        for p in group["params"]:
+            t = type(p)
+            if t is not parameter and t is not tensor and isinstance(p, dtensor):
+                return False
+    return True
 
 
 def optimizer_state(opt: torch.optim.Optimizer) -> dict:

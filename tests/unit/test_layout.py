@@ -287,6 +287,37 @@ def test_the_commit_captures_the_tensors_state_dict_gives():
     assert_bitwise_equal(got, want)
 
 
+def test_a_plain_optimizers_state_is_captured_without_its_walk_and_a_sharded_ones_is_localized(monkeypatch):
+    # torch's optimizers keep plain tensors for plain parameters: the capture skips local()'s rebuild of that state
+    # (the same layout, the optimizer's own tensors); a DTensor parameter or a differentiable group is walked
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert capture.plain_optimizer(opt)
+    got = capture.capture(model, opt, None, None)
+    walked = capture.local(capture.optimizer_state(opt))
+    assert layout.describe(got["optim"]).layout_id == layout.describe(walked).layout_id
+    assert got["optim"]["state"][0] is opt.state[model.weight]  # not rebuilt: the state dict's own entry
+    assert_bitwise_equal(got["optim"], walked)
+
+    differentiable = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, differentiable=True)
+    assert not capture.plain_optimizer(differentiable)
+
+    class Sharded(torch.Tensor):  # stands for DTensor: what capture asks of one is isinstance and to_local
+        def to_local(self):
+            return self.as_subclass(torch.Tensor)
+
+    monkeypatch.setattr(capture, "_DTENSOR", Sharded)
+    p = torch.nn.Parameter(torch.ones(3).as_subclass(Sharded))
+    sharded = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(3).as_subclass(Sharded)
+    sharded.step()
+    assert not capture.plain_optimizer(sharded)
+    leaf = capture.capture(torch.nn.Linear(1, 1), sharded, None, None)["optim"]["state"][0]["momentum_buffer"]
+    assert type(leaf) is torch.Tensor
+
+
 def test_is_parameter_knows_parameters_of_every_kind():
     class Sub(torch.Tensor):  # a tensor subclass: nn.Parameter marks the instance (as it does a DTensor)
         pass
