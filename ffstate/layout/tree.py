@@ -238,9 +238,12 @@ def _expected(manifest: Manifest) -> list[tuple[str | None, torch.dtype, tuple[i
 
 
 def _leaves_match(leaves: list[Any], expected: list[tuple[str | None, torch.dtype, tuple[int, ...], bool]]) -> bool:
-    strided = torch.strided
+    strided, tensor = torch.strided, torch.Tensor
     for a, (np_dtype, dtype, shape, param) in zip(leaves, expected):
-        if isinstance(a, np.ndarray):
+        if type(a) is tensor:  # most leaves: neither an array nor a Parameter, known by one look at the type
+            if np_dtype is not None or param or a.dtype != dtype or a.shape != shape or a.layout != strided:
+                return False
+        elif isinstance(a, np.ndarray):
             if np_dtype is None or a.dtype.str != np_dtype or a.shape != shape:
                 return False
         elif (np_dtype is not None or a.dtype != dtype or a.shape != shape or a.layout != strided

@@ -202,6 +202,7 @@ def test_the_commit_walk_gives_what_flatten_gives_without_paths():
     lambda s: s["model"].__setitem__("0.weight", torch.zeros(3, 5)),  # shape
     lambda s: s["model"].__setitem__("0.bias", torch.zeros(3, dtype=torch.float64)),  # dtype
     lambda s: s.__setitem__("param", s["param"].detach()),  # a Parameter no more
+    lambda s: s["model"].__setitem__("0.bias", torch.nn.Parameter(s["model"]["0.bias"])),  # a Parameter now
     lambda s: s.__setitem__("arr", np.arange(5, dtype=np.int32)),  # a numpy dtype
     lambda s: s.__setitem__("arr", torch.arange(5, dtype=torch.int16)),  # an array became a tensor
     lambda s: s["optim"]["param_groups"][0].__setitem__("extra", 1),  # the nesting
@@ -214,7 +215,7 @@ def test_the_commit_walk_gives_what_flatten_gives_without_paths():
     lambda s: s.__setitem__("empty", 0.0),  # a tensor became a scalar
     lambda s: s["optim"].__setitem__("state", _rekey(s["optim"]["state"], 1, True)),  # an int key became the bool equal to it
     lambda s: s.__setitem__("flags", _rekey(s["flags"], False, 0)),  # and a bool key the int
-], ids=["shape", "dtype", "kind", "np-dtype", "array-to-tensor", "nesting", "container", "shorter", "key", "metadata",
+], ids=["shape", "dtype", "kind", "to-param", "np-dtype", "array-to-tensor", "nesting", "container", "shorter", "key", "metadata",
         "size", "scalar-to-tensor", "tensor-to-scalar", "int-key-to-bool", "bool-key-to-int"])
 def test_the_commit_walk_sees_every_layout_change(change):
     state = _commit_like_state()
@@ -224,6 +225,14 @@ def test_the_commit_walk_sees_every_layout_change(change):
     assert current.layout_id != m.layout_id
     with pytest.raises(CodecError, match="layout changed"):
         codec.pack_into(state, layout.alloc_buffer(m), m)
+
+
+def test_a_leaf_that_turned_sparse_is_refused_by_its_path_at_the_commit():
+    state = _commit_like_state()
+    m = layout.describe(state)
+    state["model"]["0.bias"] = state["model"]["0.bias"].to_sparse()
+    with pytest.raises(CodecError, match="model/0.bias: layout torch.sparse_coo is not supported"):
+        layout.analyze_known(state, m)
 
 
 @pytest.mark.parametrize("bad", [{"s": {1, 2}}, {"dd": collections.defaultdict(int)}, {"f": lambda x: x},
