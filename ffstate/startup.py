@@ -20,7 +20,7 @@ FSDP2 mesh) keeps its worker threads, and a worker that drops a finished collect
 lock to release their Python objects. If the main thread is finalizing the interpreter by then, CPython ends that
 thread in ``take_gil`` with a forced unwind through a ``noexcept`` destructor, and the process dies with SIGABRT
 ("terminate called without an active exception") after its work is done (pytorch/pytorch#190489). Seen here in
-10% of 3-rank DCP loads into FSDP2 whose last step is ``full_tensor``'s all-gathers (a core dump:
+6 of about 64 3-rank DCP loads into FSDP2 under load whose last step is ``full_tensor``'s all-gathers (a core dump:
 ``~AsyncAllgatherCoalescedWork`` in ``ProcessGroupGloo::runLoop``). ``exit_now`` skips the finalization: ffstate's
 demo worker and its tests' job scripts end by it; a training script can do the same once its files are written.
 """
@@ -66,7 +66,9 @@ def exit_now(code: int = 0) -> NoReturn:
     then ``os._exit``, without the interpreter's finalization (no ``atexit`` handlers, no finalizers), where a gloo
     worker thread still releasing a collective's tensors can abort the process (the module's docstring)."""
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):  # and the originals where replaced
+        if stream is None:
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # closed, or a broken pipe: nothing more can reach it

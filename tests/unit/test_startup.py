@@ -3,6 +3,7 @@ collector is on again only if it was; ``exit_now`` ends a process with its code,
 finalization."""
 
 import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -52,17 +53,19 @@ def test_imports_that_fail_still_give_the_collector_back():
 def test_exit_now_flushes_the_logs_and_streams_returns_the_code_and_skips_finalization(tmp_path):
     log = tmp_path / "job.log"
     script = textwrap.dedent(f"""
-        import atexit, logging, sys
+        import atexit, io, logging, sys
         from ffstate.startup import exit_now
         logging.basicConfig(filename={str(log)!r}, level=logging.INFO)
         logging.getLogger("job").info("last step written")
         atexit.register(lambda: print("finalized", flush=True))
         sys.stdout.write("out, no newline")  # buffered: only a flush gets it out
         sys.stderr.write("err, no newline")
+        sys.stdout = io.StringIO()  # replaced (a framework capturing output): the original is flushed as well
         exit_now(3)
         print("after exit_now")
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a job's output often is
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 3
     assert proc.stdout == "out, no newline" and proc.stderr == "err, no newline"  # no atexit, nothing after
     assert log.read_text() == "INFO:job:last step written\n"
