@@ -46,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     with collector_paused():  # the daemon's imports (torch's among them) without the collector: ffstate/startup.py
         from ffstate.config import DaemonConfig
-        from ffstate.daemon.main import return_freed_memory, serve, set_priority
+        from ffstate.daemon.main import return_freed_memory, serve, set_cpus, set_priority
+        from ffstate.errors import FFStateError
 
         from ffstate import placement
         from ffstate.config import Config
@@ -56,6 +57,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                      host=args.host or placement.local_address(Config.from_env()),
                                      token=read_token(args.token_file))
     except ValueError as e:
+        raise SystemExit(f"ffstate serve: {e}") from None
+    try:
+        set_cpus(cfg.cpus)
+    except FFStateError as e:
         raise SystemExit(f"ffstate serve: {e}") from None
     set_priority(cfg.nice)
     return_freed_memory()
@@ -148,6 +153,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="lower the daemon's CPU priority where the training uses every core: by N (0-19), or idle "
                         "(SCHED_IDLE: the CPU only where a core is idle, yielded at once when the training wakes; "
                         "default 0)")
+    p.add_argument("--cpus", default="", metavar="LIST",
+                   help="the CPUs the daemon runs on, in taskset's list syntax (60-63, 0,2,4-7): cores of its own "
+                        "where the training takes the others (default: where it was started)")
     p.add_argument("--hang-action", choices=("kill", "log", "off"), default="kill",
                    help="when a local rank has not committed within its deadline: write its stacks, then kill the "
                         "job's local ranks so that torchrun restarts them (kill, default), or only log (log), or "

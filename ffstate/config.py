@@ -34,7 +34,7 @@ class Config:
             ``triton`` (always; CPU tensors then need ``TRITON_INTERPRET=1``) or ``torch`` (always
             the reference path). Process-wide: read from ``FFSTATE_KERNELS`` by whatever packs or
             encodes (``replicate(config=...)`` does not change it).
-        codec_threads: threads of the CPU codec path; 0 means the number of cores, at most 8.
+        codec_threads: threads of the CPU codec path; 0 means the number of CPUs the process may run on, at most 8.
             Process-wide, from ``FFSTATE_CODEC_THREADS``, as ``kernels``.
         job_id: the job's id, which names its replicas; default: torchrun's run id
             (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else Slurm's job id
@@ -60,6 +60,9 @@ class Config:
             (SCHED_IDLE: only the CPU nobody else wants; the lag policy then holds commits until replication
             catches up). On 2 cores shared with 4 ranks, 19 against 0 did not change the step (the daemons run
             while the ranks wait in their collectives either way: benchmarks/2026-11-26-daemon-policy.md).
+        daemon_cpus: the CPUs the started daemon runs on (``--cpus``), in taskset's list syntax (``60-63``,
+            ``0,2,4-7``): cores of its own where the training takes the others (docs/deployment.md, CPU); "" leaves it
+            on the CPUs of the rank that starts it.
         max_lag: W, how many versions replication may fall behind the training before the lag
             policy acts; also the deltas each holder keeps to step back. 1 (the default) bounds a node's loss at one
             step: a commit waits, when it must, until every holder has the step before it.
@@ -148,6 +151,7 @@ class Config:
     daemon_memory_limit: str = ""
     daemon_idle_exit: float = 600.0
     daemon_nice: str = "0"
+    daemon_cpus: str = ""
     max_lag: int = 1
     lag_policy: str = "block"
     shadow_ddp_step: bool = True
@@ -182,6 +186,7 @@ class Config:
         check_hang(self)
         check_persist(self)
         priority(self.daemon_nice, "daemon_nice")
+        cpu_list(self.daemon_cpus, "daemon_cpus")
         if self.resize_rng not in RESIZE_RNG:
             raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
         if not 0 < self.drain_hold < math.inf:
@@ -285,6 +290,21 @@ def priority(value: int | str, what: str = "nice") -> int | str:
     return n
 
 
+def cpu_list(value: str, what: str = "cpus") -> frozenset[int]:
+    """A CPU list in taskset's syntax (``0-3,8``; "" is none: the process stays where it was started)."""
+    cpus: set[int] = set()
+    for part in value.split(",") if value.strip() else ():
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi if sep else lo)
+        except ValueError:
+            first, last = 0, -1
+        if not 0 <= first <= last < 1 << 16:
+            raise ValueError(f"{what} is a CPU list such as '60-63' or '0,2,4-7', got {value!r}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
@@ -317,6 +337,7 @@ class DaemonConfig:
     push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off
     staged_timeout: float = 300.0  # seconds a pushed version may wait for its Commit before it is discarded
     nice: int | str = 0  # the process's CPU priority: a niceness 0-19, or "idle" (SCHED_IDLE)
+    cpus: str = ""  # the CPUs it runs on, in taskset's list syntax; "": where it was started
     # The watchdog (watchdog.py; Config's fields of the same names say what each does)
     hang_action: str = "kill"
     hang_multiple: float = 10.0
@@ -343,6 +364,7 @@ class DaemonConfig:
             raise ValueError(f"slot_poll (--slot-poll) takes seconds in (0, 3600], got {self.slot_poll}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key (--tls-cert, --tls-key) go together")
+        cpu_list(self.cpus, "cpus (--cpus)")
         if self.tls_client_ca and not self.tls_cert:  # it would serve plaintext, asking no client for anything
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
         object.__setattr__(self, "peers", tuple(self.peers))

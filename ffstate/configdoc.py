@@ -19,6 +19,7 @@ SERVE_FLAG = {"node_id": "--node-id", "daemon_host": "--host", "base_port": "--p
               "hang_floor": "--hang-floor", "hang_ceiling": "--hang-ceiling", "hang_startup": "--hang-startup",
               "straggler_ratio": "--straggler-ratio", "persist_dir": "--persist-dir",
               "persist_every": "--persist-every", "persist_keep": "--persist-keep", "persist_nice": "--persist-nice",
+              "daemon_nice": "--nice", "daemon_cpus": "--cpus",
               "token_file": "--token-file"}
 HEAD = """# Configuration
 

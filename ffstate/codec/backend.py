@@ -23,7 +23,7 @@ def _pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            workers = Config.from_env().codec_threads or min(8, os.cpu_count() or 1)
+            workers = Config.from_env().codec_threads or min(8, len(os.sched_getaffinity(0)))  # the CPUs it may use
             _POOL = ThreadPoolExecutor(workers, thread_name_prefix="ffstate-codec")
         return _POOL
 

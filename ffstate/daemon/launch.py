@@ -253,7 +253,8 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
         hang_multiple=cfg.hang_multiple, hang_floor=cfg.hang_floor, hang_ceiling=cfg.hang_ceiling,
         hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio,
         persist_dir=Path(cfg.persist_dir) if cfg.persist_dir else None, persist_every=cfg.persist_every,
-        persist_keep=cfg.persist_keep, persist_nice=priority(cfg.persist_nice), nice=priority(cfg.daemon_nice))
+        persist_keep=cfg.persist_keep, persist_nice=priority(cfg.persist_nice), nice=priority(cfg.daemon_nice),
+        cpus=cfg.daemon_cpus)
 
 
 def start(dcfg: DaemonConfig, token: str, run_dir: Path) -> int:

@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import Callable
 
-from ffstate.config import DaemonConfig
+from ffstate.config import DaemonConfig, cpu_list
 from ffstate.daemon.node import Node
 from ffstate.daemon.replicator import Pacer
 from ffstate.daemon.servicer import start_server
@@ -25,6 +25,43 @@ def set_priority(nice: int | str) -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     elif nice:
         os.nice(int(nice))  # the training comes first where it needs every core
+
+
+def set_cpus(spec: str) -> None:
+    """Moves the process, every thread it has (and so every thread it starts), onto the CPUs ``spec`` lists: beyond
+    the CPUs it was started on where its cgroup allows (a daemon started by a rank pinned to other cores).
+
+    Raises:
+        FFStateError: a CPU listed is offline, or outside the process's cgroup (cpuset).
+    """
+    if not spec:
+        return
+    wanted, before = cpu_list(spec, "--cpus"), os.sched_getaffinity(0)
+    for tid in os.listdir("/proc/self/task"):  # threads started before now (imports' pools) go along
+        try:
+            os.sched_setaffinity(int(tid), wanted)
+        except ProcessLookupError:  # ended since the listing
+            pass
+        except OSError as e:  # none of them can be used here
+            raise FFStateError(f"--cpus {spec}: none of these CPUs can be used here ({e.strerror}); it was started "
+                               f"on CPUs {_ranges(before)}") from None
+    got = os.sched_getaffinity(0)
+    if got != wanted:  # the kernel keeps those its cpuset allows
+        raise FFStateError(f"--cpus {spec}: CPUs {_ranges(wanted - got)} are offline or outside this process's "
+                           f"cpuset (it was given {_ranges(got)})")
+    log.info("running on CPUs %s", _ranges(wanted))
+
+
+def _ranges(cpus: set[int] | frozenset[int]) -> str:
+    out, run = [], []
+    for c in sorted(cpus):
+        if run and c != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(c)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
 
 
 # glibc's mallopt parameters (malloc.h)

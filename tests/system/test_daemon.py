@@ -224,6 +224,42 @@ def test_sigusr2_writes_every_thread_s_stack_to_the_daemon_s_log_and_it_goes_on(
     assert d.terminate() == 0
 
 
+def test_the_daemon_runs_on_the_cpus_it_is_given_every_thread_of_it(daemons):
+    """``--cpus`` (Config.daemon_cpus for a started daemon): cores of its own, for each of its threads, those its
+    imports started before the flag was read among them."""
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    os.sched_setaffinity(0, {min(mine)})  # started as from a rank pinned to another core: it moves off it
+    try:
+        d = daemons.start("--cpus", str(cpu))
+    finally:
+        os.sched_setaffinity(0, mine)
+    with d.client() as c:
+        assert c.inventory("").shards == []  # serving: its threads are up
+    tasks = list(Path(f"/proc/{d.proc.pid}/task").iterdir())
+    allowed = {t.name: (t / "status").read_text().split("Cpus_allowed_list:")[1].split()[0] for t in tasks}
+    assert len(allowed) > 5 and set(allowed.values()) == {str(cpu)}, allowed
+    assert f"running on CPUs {cpu}" in d.log()
+    assert d.terminate() == 0
+
+
+def test_cpus_the_daemon_may_not_use_are_refused_at_its_start_by_number(tmp_path):
+    (tmp_path / "token").write_text(TOKEN)
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--token-file", str(tmp_path / "token"),
+                          "--host", "127.0.0.1", "--port", "0", "--cpus", "4000-4001"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--cpus 4000-4001: none of these CPUs can be used here" in out.stderr, out.stderr
+    some = f"{min(os.sched_getaffinity(0))},4000"  # one it may use, one it may not: the kernel would keep the first
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--token-file", str(tmp_path / "token"),
+                          "--host", "127.0.0.1", "--port", "0", "--cpus", some], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "CPUs 4000 are offline or outside this process's cpuset" in out.stderr, out.stderr
+    out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--token-file", str(tmp_path / "token"),
+                          "--host", "127.0.0.1", "--port", "0", "--cpus", "3-1"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "a CPU list such as '60-63'" in out.stderr, out.stderr
+
+
 def test_idle_daemon_exits_by_itself(daemons):
     d = daemons.start("--idle-exit", "1")
     assert d.proc.wait(20) == 0

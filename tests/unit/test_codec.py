@@ -535,3 +535,17 @@ def test_a_full_version_decodes_into_an_uninitialised_buffer_every_byte_of_which
     snapshot = codec.decode_snapshot(full)
     monkeypatch.undo()
     assert snapshot.checksum == full.checksum and torch.equal(snapshot.buffer, codec.pack(state).buffer)
+
+
+def test_the_codec_pool_is_sized_to_the_cpus_the_process_may_use_not_the_machine_s(monkeypatch):
+    # a daemon on cores of its own (--cpus, taskset, a cgroup's set) runs no more codec threads than it has CPUs
+    from ffstate.codec import backend
+
+    monkeypatch.delenv("FFSTATE_CODEC_THREADS", raising=False)
+    monkeypatch.setattr(backend.os, "sched_getaffinity", lambda pid: {3})
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: 64)
+    backend.use_threads(0)
+    try:
+        assert backend._pool()._max_workers == 1
+    finally:
+        backend.use_threads(0)

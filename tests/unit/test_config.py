@@ -3,6 +3,7 @@
 import pytest
 
 from ffstate import Config
+from ffstate.config import DaemonConfig
 
 
 def test_defaults_and_env_overrides(monkeypatch):
@@ -33,14 +34,14 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
 
     cfg = Config(replicas=1, max_lag=6, daemon_memory_limit="1.5G", daemon_idle_exit=42.0, scheduler="naive",
                  link_share=0.25, link_bandwidth="25M", metrics_port=9100, base_port=7800, persist_dir=str(tmp_path),
-                 persist_nice="7", daemon_nice="19")
+                 persist_nice="7", daemon_nice="19", daemon_cpus="60-63")
     want = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)
     args = build_parser().parse_args(["serve", *want.to_args()])
     got = DaemonConfig.from_args(args, token=want.token)
     assert got == want
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
         7801, "node1", 7, 3 << 29, 25 << 20, 9101)  # keep_deltas: max_lag + 1
-    assert (got.persist_dir, got.persist_nice, got.nice) == (tmp_path, 7, 19)
+    assert (got.persist_dir, got.persist_nice, got.nice, got.cpus) == (tmp_path, 7, 19, "60-63")
     assert "--token" not in " ".join(want.to_args())
     with pytest.raises(ValueError, match="go together"):
         DaemonConfig(tls_cert=tmp_path / "cert.pem")
@@ -62,3 +63,16 @@ def test_the_flushing_process_and_the_started_daemon_priorities_are_idle_or_a_ni
         Config.from_env()
     monkeypatch.setenv("FFSTATE_DAEMON_NICE", "idle")
     assert Config.from_env().daemon_nice == "idle" and Config().daemon_nice == "0"
+
+
+def test_cpu_lists_are_read_as_taskset_writes_them_and_anything_else_is_refused_by_name():
+    from ffstate.config import cpu_list
+
+    assert cpu_list("") == frozenset() and cpu_list("60-63") == {60, 61, 62, 63}
+    assert cpu_list("0,2,4-6") == {0, 2, 4, 5, 6} and cpu_list(" 7 ") == {7}
+    for bad in ("3-1", "a", "1,,2", "-1", "1-", "0-70000"):
+        with pytest.raises(ValueError, match="daemon_cpus is a CPU list"):
+            Config(daemon_cpus=bad)
+    assert DaemonConfig(cpus="2-3").to_args()[-2:] == ["--cpus", "2-3"]
+    with pytest.raises(ValueError, match=r"cpus \(--cpus\) is a CPU list"):
+        DaemonConfig(cpus="x")
