@@ -10,13 +10,21 @@ is given to the next socket opened, which by its number could pass for one that 
 descriptor is shut down only if it still is that socket: gloo closes a pair whose peer shut it down first, and its
 number may belong to another connection by then (a gRPC channel's). gloo's listening socket is left alone (shutting
 it down aborts the process).
+
+An aborted gloo group is then held, off the training's thread, until its own timeout has passed: a send gloo had
+queued on a pair never fails until then, and the group's destructor joins the thread stuck in it. Dropped where the
+training drops it (DDP's cycle, collected by the engine's ``gc.collect()`` between two entries), it held that thread
+in the collection (seen 3 times in 21 runs of ``tests/system/test_abort_race.py`` under load).
 """
 
 from __future__ import annotations
 
+import collections
+import datetime
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -57,9 +65,10 @@ class GroupAbort(Abort):
     collective): NCCL groups by the extension's own abort; gloo groups by shutting down their sockets, then the
     group is destroyed."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
         self._sockets: dict[int, str] = {}
         self._nccl = AbortTorchDistributed()
+        self._timeout = timeout.total_seconds()  # the groups' own: how long an aborted one is held
 
     def opened(self, sockets: dict[int, str]) -> None:
         """The sockets the current process group opened (``new_sockets``)."""
@@ -92,6 +101,8 @@ class GroupAbort(Abort):
         # (DDP's gradient all-reduce and buffer broadcast) is ended here instead (ffstate/inflight.py).
         group = dist.distributed_c10d._get_default_group() if dist.is_available() and dist.is_initialized() else None
         ended = inflight.abort("the process group was aborted after a failure elsewhere in the job", keep=group)
+        if group is not None:
+            hold(group, self._timeout + 60)
         del group
         if dist.is_available() and dist.is_initialized():
             try:
@@ -102,3 +113,42 @@ class GroupAbort(Abort):
                  "in flight ended)", (time.perf_counter() - start) * 1e3, shut, gone, ended)
         return state
 
+
+
+_held: collections.deque = collections.deque()  # (when it may go, an aborted group), in that order
+_held_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def hold(group: Any, seconds: float) -> None:
+    """Keeps ``group`` for ``seconds``, then lets it go on a thread of its own (where its destructor may wait for a
+    worker thread that was stuck): never on the thread that drops the group's last other reference."""
+    global _reaper
+    with _held_lock:
+        _held.append((time.monotonic() + seconds, group))
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="ffstate-aborted-groups", daemon=True)
+            _reaper.start()
+
+
+def held() -> int:
+    """How many aborted groups are held now."""
+    with _held_lock:
+        return len(_held)
+
+
+def _reap() -> None:
+    global _reaper
+    while True:
+        with _held_lock:
+            now = time.monotonic()
+            due = []
+            while _held and _held[0][0] <= now:
+                due.append(_held.popleft()[1])
+            if not _held and not due:
+                _reaper = None
+                return
+            wait = _held[0][0] - now if _held else 0.0
+        due.clear()  # the groups go here, on this thread: a destructor that joins a stuck worker waits here
+        if wait > 0:
+            time.sleep(min(wait, 60.0))

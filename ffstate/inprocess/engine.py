@@ -165,7 +165,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    abort = GroupAbort()
+    abort = GroupAbort(PG_TIMEOUT)  # an aborted group is held that long, off the training's thread
     assignment = NodeSpares(layout)
     # A spare waits warm: what a first entry imports is imported now (DistributedDataParallel's first construction
     # imports torch._dynamo, 1.4 s here; torch.distributed.optim scripts its functional optimizers, 0.4 s; ffstate's

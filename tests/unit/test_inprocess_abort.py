@@ -70,3 +70,27 @@ def test_a_descriptor_number_given_to_another_socket_since_is_left_alone(connect
     peer.sendall(b"y")
     other.settimeout(2)
     assert other.recv(1) == b"y"
+
+
+def test_an_aborted_group_is_held_for_its_timeout_then_let_go_on_a_thread_of_its_own():
+    # gloo's destructor joins a worker that may be stuck in a send until the group's timeout: the training's thread
+    # (the engine's gc.collect() between entries) must never be the one that drops an aborted group
+    import threading
+    import time
+
+    from ffstate.inprocess import abort
+
+    dropped: list[str] = []
+
+    class Group:
+        def __del__(self):
+            dropped.append(threading.current_thread().name)
+
+    abort.hold(Group(), 0.0)
+    abort.hold(Group(), 3600.0)
+    deadline = time.monotonic() + 10
+    while not dropped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dropped == ["ffstate-aborted-groups"] and abort.held() == 1
+    with abort._held_lock:
+        abort._held.clear()  # the hour-long one: its reaper drops it within a minute
