@@ -12,8 +12,8 @@ with LZ4 and with ZSTD, level 1, a byte shuffle by element size) and each number
 - both together, as throughput and as a ratio to one plain copy of the same bytes (one thread);
 - the compression ratio of the delta (raw bytes / bytes on the wire);
 - the entropy stage alone, one thread: blosc2's compression and decompression of the same deltas, computed
-  beforehand, chunk by chunk at the codec's settings, as a ratio to the copy: the ceiling of any delta in front of
-  that stage (no checksums, no delta, no placement).
+  beforehand, segment by segment at the codec's settings, as a ratio to the copy: what the codec's speed is bounded
+  by on these deltas (no checksums, no delta, no placement).
 
 Plus, once: pack (state -> flat buffer) and the checksum alone.
 
@@ -39,6 +39,7 @@ import torch
 from ffstate import codec
 from ffstate.bench._report import environment, median_seconds, publish, pyplot, table
 from ffstate.codec import backend, segment
+from ffstate.codec.chunks import segments
 from ffstate.codec.segment import CODECS
 from ffstate.testing.models import TinyGPT
 
@@ -52,7 +53,6 @@ SIZES = {  # TinyGPT shapes; fp32 model + AdamW state is about 12 bytes per para
     "deep": dict(vocab=256, dim=32, heads=2, layers=160, seq=32),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ITEMSIZE = {"fp32": 4, "bf16": 2}
 
 
 def adamw_states(size: str, steps: int, lr: float, dtype: torch.dtype = torch.float32, seed: int = 0
@@ -75,24 +75,26 @@ def adamw_states(size: str, steps: int, lr: float, dtype: torch.dtype = torch.fl
     return prev, cur, sum(p.numel() for p in model.parameters())
 
 
-def stage_alone(a: np.ndarray, b: np.ndarray, itemsize: int, name: str, repeats: int) -> dict:
-    """blosc2's compression and decompression alone (one thread) of ``b``'s delta from ``a`` (packed buffers),
-    the delta computed beforehand, in the codec's chunks and at its settings."""
-    step = codec.DEFAULT_CHUNK_BYTES - codec.DEFAULT_CHUNK_BYTES % itemsize
-    n = b.size - b.size % itemsize
-    deltas = [segment.delta(b[s : s + step], a[s : s + step], itemsize).copy() for s in range(0, n, step)]
-    bodies = [segment.compress(d, itemsize, name) for d in deltas]
-    z = np.empty(step, dtype=np.uint8)
-    secs = median_seconds({"compress": lambda: [segment.compress(d, itemsize, name) for d in deltas],
+def stage_alone(sa: codec.Snapshot, sb: codec.Snapshot, name: str, repeats: int) -> dict:
+    """blosc2's compression and decompression alone (one thread) of ``sb``'s delta from ``sa``, the delta computed
+    beforehand, in the codec's segments (each dtype group's, at its element width) and at its settings."""
+    a, b = sa.buffer.numpy(), sb.buffer.numpy()
+    segs = segments(sb.manifest, codec.DEFAULT_CHUNK_BYTES)
+    deltas = [(segment.delta(b[off : off + n * size], a[off : off + n * size], size).copy(), size)
+              for off, n, size in segs]
+    bodies = [segment.compress(d, size, name) for d, size in deltas]
+    z = np.empty(max(d.size for d, _ in deltas), dtype=np.uint8)
+    secs = median_seconds({"compress": lambda: [segment.compress(d, size, name) for d, size in deltas],
                            "decompress": lambda: [blosc2.decompress2(x, dst=z[: d.size], nthreads=1)
-                                                  for x, d in zip(bodies, deltas)]}, repeats)
+                                                  for x, (d, _) in zip(bodies, deltas)]}, repeats)
+    n = sum(d.size for d, _ in deltas)
     return {"bytes": n, "compress_seconds": secs["compress"], "decompress_seconds": secs["decompress"],
             "ratio": n / sum(len(x) for x in bodies)}
 
 
-def measure(prev: dict, cur: dict, repeats: int, threads: list[int], itemsize: int = 4) -> dict:
+def measure(prev: dict, cur: dict, repeats: int, threads: list[int]) -> dict:
     """Encode, decode in place and the ratio of the delta, per entropy stage and thread count; and the entropy
-    stage alone (``stage_alone``, elements of ``itemsize`` bytes)."""
+    stage alone (``stage_alone``)."""
     sa, sb = codec.pack(prev), codec.pack(cur)
     dst = torch.empty_like(sb.buffer)
     out: dict = {"bytes": sb.manifest.nbytes, "ways": {}}
@@ -102,7 +104,7 @@ def measure(prev: dict, cur: dict, repeats: int, threads: list[int], itemsize: i
                            "checksum": lambda: codec.buffer_checksum(sb.buffer)}, repeats)
     out["copy_seconds"], out["pack_seconds"], out["checksum_seconds"] = once["copy"], once["pack"], once["checksum"]
     for name in CODECS:
-        alone = stage_alone(sa.buffer.numpy(), sb.buffer.numpy(), itemsize, name, repeats)
+        alone = stage_alone(sa, sb, name, repeats)
         alone["vs_copy"] = out["copy_seconds"] * alone["bytes"] / out["bytes"] / (alone["compress_seconds"]
                                                                                   + alone["decompress_seconds"])
         out["ways"].setdefault(name, {})["stage_alone"] = alone
@@ -144,7 +146,7 @@ def run(size: str, steps: int, repeats: int, lr: float, threads: list[int], out_
         log.info("training TinyGPT-%s in %s for %d AdamW steps", size, name, steps)
         prev, cur, n_params = adamw_states(size, steps, lr, dtype)
         result["config"]["params"] = n_params
-        result["states"][name] = measure(prev, cur, repeats, threads, ITEMSIZE[name])
+        result["states"][name] = measure(prev, cur, repeats, threads)
     return publish(out_dir, "codec-cpu", result, report, plot)
 
 

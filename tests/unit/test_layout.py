@@ -313,6 +313,18 @@ def test_a_plain_optimizers_state_is_captured_without_its_walk_and_a_sharded_one
     differentiable = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, differentiable=True)
     assert not capture.plain_optimizer(differentiable)
 
+    class Keeps(torch.optim.SGD):  # not torch's own: it may keep a Parameter in its state, as this one does
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                self.state[p].setdefault("anchor", torch.nn.Parameter(p.detach().clone()))
+            return super().step(closure)
+
+    keeps = Keeps(model.parameters(), lr=0.1)
+    keeps.step()
+    assert not capture.plain_optimizer(keeps)
+    anchor = capture.capture(model, keeps, None, None)["optim"]["state"][0]["anchor"]
+    assert type(anchor) is torch.Tensor and not anchor.requires_grad  # walked: as state_dict() would give it
+
     class Sharded(torch.Tensor):  # stands for DTensor: what capture asks of one is isinstance and to_local
         def to_local(self):
             return self.as_subclass(torch.Tensor)
@@ -325,6 +337,29 @@ def test_a_plain_optimizers_state_is_captured_without_its_walk_and_a_sharded_one
     assert not capture.plain_optimizer(sharded)
     leaf = capture.capture(torch.nn.Linear(1, 1), sharded, None, None)["optim"]["state"][0]["momentum_buffer"]
     assert type(leaf) is torch.Tensor
+
+
+def test_a_commits_walk_leaves_the_optimizers_own_state_as_it_was():
+    # the captured state shares the optimizer's per-parameter dicts: the razor's split, the layout check and the
+    # pack must read them only (the keys, the values' identities and bits after the commit as before it)
+    from ffstate import razor
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    before = {id(p): {k: (v, v.clone()) for k, v in st.items()} for p, st in opt.state.items()}
+    state = capture.capture(model, opt, None, None)
+    plan = razor.Plan.of(state, razor.Groups((0, 1), ("model", "optim/state"), "test"))
+    for rank in (0, 1, 0):  # the first split walks the whole state, the next ones follow the plan's keys
+        shard = razor.split(state, plan, rank)
+        m, _ = layout.analyze(shard)
+        codec.pack_into(shard, layout.alloc_buffer(m), m)
+    for p, st in opt.state.items():
+        assert list(st) == list(before[id(p)])
+        for k, v in st.items():
+            was, bits = before[id(p)][k]
+            assert v is was and torch.equal(v, bits), k
 
 
 def test_is_parameter_knows_parameters_of_every_kind():
