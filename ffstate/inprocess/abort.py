@@ -14,12 +14,15 @@ it down aborts the process).
 An aborted gloo group is then held, off the training's thread, until its own timeout has passed: a send gloo had
 queued on a pair never fails until then, and the group's destructor joins the thread stuck in it. Dropped where the
 training drops it (DDP's cycle, collected by the engine's ``gc.collect()`` between two entries), it held that thread
-in the collection (seen 3 times in 21 runs of ``tests/system/test_abort_race.py`` under load).
+in the collection (seen 3 times in 21 runs of ``tests/system/test_abort_race.py`` under load). One still held when
+the interpreter exits is left to the OS (``_leak_at_exit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
+import ctypes
 import datetime
 import logging
 import os
@@ -114,18 +117,21 @@ class GroupAbort(Abort):
         return state
 
 
-
 _held: collections.deque = collections.deque()  # (when it may go, an aborted group), in that order
 _held_lock = threading.Lock()
 _reaper: threading.Thread | None = None
+_exit_registered = False
 
 
 def hold(group: Any, seconds: float) -> None:
     """Keeps ``group`` for ``seconds``, then lets it go on a thread of its own (where its destructor may wait for a
     worker thread that was stuck): never on the thread that drops the group's last other reference."""
-    global _reaper
+    global _reaper, _exit_registered
     with _held_lock:
         _held.append((time.monotonic() + seconds, group))
+        if not _exit_registered:
+            atexit.register(_leak_at_exit)
+            _exit_registered = True
         if _reaper is None:
             _reaper = threading.Thread(target=_reap, name="ffstate-aborted-groups", daemon=True)
             _reaper.start()
@@ -152,3 +158,12 @@ def _reap() -> None:
         due.clear()  # the groups go here, on this thread: a destructor that joins a stuck worker waits here
         if wait > 0:
             time.sleep(min(wait, 60.0))
+
+
+def _leak_at_exit() -> None:
+    """At the interpreter's exit the groups still held would go with this module's teardown, on the main thread, where
+    a worker still stuck in a send holds the exit until the group's timeout: they are leaked instead (the process is
+    ending, its memory and threads with it)."""
+    with _held_lock:
+        for _, group in _held:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

@@ -94,3 +94,25 @@ def test_an_aborted_group_is_held_for_its_timeout_then_let_go_on_a_thread_of_its
     assert dropped == ["ffstate-aborted-groups"] and abort.held() == 1
     with abort._held_lock:
         abort._held.clear()  # the hour-long one: its reaper drops it within a minute
+
+
+def test_groups_still_held_at_the_interpreters_exit_are_left_to_the_os(tmp_path):
+    # released by the module's teardown on the main thread, a group whose worker is stuck in a send would hold the
+    # process's exit until its timeout: the exit leaks them (control: without that, the teardown releases the group)
+    import subprocess
+    import sys
+
+    script = """
+import sys
+from ffstate.inprocess import abort
+class Group:
+    def __del__(self):
+        sys.__stdout__.write("released\\n"); sys.__stdout__.flush()
+{control}
+abort.hold(Group(), 3600.0)
+print("held", flush=True)
+"""
+    for control, want in (("", "held\n"), ("abort._exit_registered = True", "held\nreleased\n")):
+        out = subprocess.run([sys.executable, "-c", script.format(control=control)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout == want, (control, out.stdout, out.stderr[-2000:])
