@@ -225,8 +225,8 @@ def test_sigusr2_writes_every_thread_s_stack_to_the_daemon_s_log_and_it_goes_on(
 
 
 def test_the_daemon_runs_on_the_cpus_it_is_given_every_thread_of_it(daemons):
-    """``--cpus`` (Config.daemon_cpus for a started daemon): cores of its own, for each of its threads, those its
-    imports started before the flag was read among them."""
+    """``--cpus`` (Config.daemon_cpus for a started daemon): cores of its own for every thread it has, started from a
+    process pinned to other cores (as a rank that starts its node's daemon may be)."""
     mine = os.sched_getaffinity(0)
     cpu = max(mine)
     os.sched_setaffinity(0, {min(mine)})  # started as from a rank pinned to another core: it moves off it
