@@ -65,12 +65,16 @@ def _ranges(cpus: set[int] | frozenset[int]) -> str:
 
 
 # glibc's mallopt parameters (malloc.h)
-M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 
 
 # Buffers this large and larger are mapped, and unmapped when freed: twice the default segment (DEFAULT_CHUNK_BYTES),
 # so that a segment's own buffers come from the heap, and are reused.
 MMAP_THRESHOLD = 2 << 20
+# Free bytes at the top of a heap kept, not given back, up to this: glibc's own ceiling for it (twice its largest
+# dynamic mmap threshold), so that a version's encoded chunks, freed together once sent, are the next version's
+# memory instead of fresh pages (a fixed mmap threshold otherwise leaves it at 128 KiB).
+TRIM_THRESHOLD = 64 << 20
 
 
 def return_freed_memory() -> bool:
@@ -87,11 +91,19 @@ def return_freed_memory() -> bool:
     defaults (``ffstate bench codec``, which allocates as the daemon does: fp32 LZ4 encode 0.54-0.57 GB/s a
     thread, 0.86-0.88 at 2 MiB, 0.87 with glibc's own; decode 1.25-1.30, 1.49-1.52 and 1.53). At 2 MiB a chaos
     run's daemons ended at 298 and 306 MB (270 at the start; 295 and 298 at 128 KiB), one run each.
+
+    Fixing the mmap threshold also fixes glibc's trim threshold, at 128 KiB: a version's chunks, freed together
+    once sent, went back to the system and the next version's were fresh pages, a fault per 4 KiB of blosc2's
+    output, of each payload and of each message. On the fp32 AdamW state of ``bench codec`` the entropy stage
+    compressed at 1.21 GB/s and the encode ran at 0.88; with free memory kept up to ``TRIM_THRESHOLD`` (64 MiB,
+    glibc's own ceiling for it) at 2.20 and 1.77 (benchmarks/2026-11-27-trim-and-copy.md). The heap then keeps at most
+    that much free at its top, per arena (two): a bound, not a growth.
     """
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_ARENA_MAX, 2))
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+                and bool(libc.mallopt(M_ARENA_MAX, 2)))
     except (OSError, AttributeError):  # not glibc: its own defaults
         return False
 

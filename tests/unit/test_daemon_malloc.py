@@ -1,5 +1,6 @@
 """The daemon's allocator settings (``daemon.main.return_freed_memory``): freed version-sized buffers go back to
-the system, and a segment's own buffers are reused, not mapped afresh (a page fault per 4 KiB) at every encode."""
+the system, and a segment's own buffers are reused, not mapped afresh (a page fault per 4 KiB) at every encode;
+nor are a whole version's chunks, freed together once sent."""
 
 import subprocess
 import sys
@@ -34,3 +35,41 @@ def test_a_daemons_encode_and_decode_reuse_their_segment_buffers():
     # 1,024 pages of state a round: with 128-KiB-and-larger buffers mapped, every segment's buffers faulted
     # again (about 3,500 faults a round here); from the heap, what is left is the decoded copy's own pages.
     assert faults < 1024 + 512, f"{faults:.0f} page faults per encode and decode of 4 MiB"
+
+
+VERSIONS = r"""
+import resource, sys
+from ffstate.daemon.main import return_freed_memory
+if sys.argv[1] == "daemon" and not return_freed_memory():
+    print("not glibc"); sys.exit(0)
+import torch
+from ffstate import codec
+torch.manual_seed(0)
+a = {"w": torch.randn(6 << 20)}  # 24 MiB: its delta's chunks, about 20 MB, kept together as a daemon sends them
+b = {"w": a["w"] + 1e-3 * torch.randn(6 << 20)}
+sa, sb = codec.pack(a), codec.pack(b)
+codec.encode_snapshot(sb, sa)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    packed = codec.encode_snapshot(sb, sa)
+    del packed  # every chunk freed at once
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5, codec.encode_snapshot(sb, sa).nbytes)
+"""
+
+
+@pytest.mark.parametrize("malloc", ["daemon", "fixed-mmap-only"])
+def test_a_versions_chunks_freed_together_are_the_next_versions_memory(malloc):
+    script = VERSIONS
+    if malloc == "fixed-mmap-only":  # the control: the mmap threshold fixed as before, glibc's trim left at 128 KiB
+        script = script.replace('sys.argv[1] == "daemon" and not return_freed_memory()',
+                                'not __import__("ctypes").CDLL("libc.so.6").mallopt(-3, 2 << 20)')
+    out = subprocess.run([sys.executable, "-c", script, malloc], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "not glibc":
+        pytest.skip("not glibc: the daemon keeps the allocator's own settings")
+    faults, nbytes = out.stdout.split()
+    pages = int(nbytes) / 4096
+    if malloc == "daemon":  # a few pages of bookkeeping, not the version's
+        assert float(faults) < pages / 20, f"{float(faults):.0f} page faults an encode of {int(nbytes)} bytes"
+    else:  # without the trim threshold every chunk is fresh pages again: the test can tell
+        assert float(faults) > pages / 2, f"only {float(faults):.0f} page faults an encode of {int(nbytes)} bytes"
