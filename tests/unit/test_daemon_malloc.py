@@ -69,7 +69,9 @@ def test_a_versions_chunks_freed_together_are_the_next_versions_memory(malloc):
         pytest.skip("not glibc: the daemon keeps the allocator's own settings")
     faults, nbytes = out.stdout.split()
     pages = int(nbytes) / 4096
-    if malloc == "daemon":  # a few pages of bookkeeping, not the version's
-        assert float(faults) < pages / 20, f"{float(faults):.0f} page faults an encode of {int(nbytes)} bytes"
-    else:  # without the trim threshold every chunk is fresh pages again: the test can tell
+    # Measured, 3,869 pages of chunks: 46-401 faults an encode with the daemon's settings (10 runs), 4,108-4,459
+    # without the trim threshold (every chunk fresh pages again, and more).
+    if malloc == "daemon":
+        assert float(faults) < pages / 4, f"{float(faults):.0f} page faults an encode of {int(nbytes)} bytes"
+    else:  # the control: the test can tell
         assert float(faults) > pages / 2, f"only {float(faults):.0f} page faults an encode of {int(nbytes)} bytes"
