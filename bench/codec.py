@@ -20,8 +20,8 @@ with LZ4 and with ZSTD, level 1, a byte shuffle by element size) and each number
 Plus, once: pack (state -> flat buffer), the checksum alone and the copy after them (its source still partly in the
 cache from the two).
 
-The process allocates as a daemon does (``daemon.main.return_freed_memory``: glibc's mmap threshold and arenas
-as ``ffstate serve`` sets them), since each segment's buffers are allocated and freed where the daemon's are;
+The process allocates as a daemon does (``daemon.main.return_freed_memory``: glibc's mmap and trim thresholds and
+arenas as ``ffstate serve`` sets them), since each segment's buffers are allocated and freed where the daemon's are;
 ``--malloc default`` keeps glibc's own settings, for a comparison.
 
 Usage: ``ffstate bench codec [--size medium] [--steps 30] [--threads 1,2]``. Prints a table; writes
