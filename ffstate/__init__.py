@@ -2,7 +2,8 @@
 
 The public names live here; everything else is importable by its module path (``ffstate.codec``...).
 ``replicate`` and ``register_comm_hook`` are loaded on first use: the daemon and the command line import the package
-without torch and the training side (torch.distributed, DCP), which cost a process a second or more to import.
+without torch and the training side (torch.distributed, DCP), which cost a process a second or more to import. So is
+``startup`` (``ffstate.startup.exit_now()``, a script's end, as the docs write it after a plain ``import ffstate``).
 """
 
 from typing import TYPE_CHECKING, Any
@@ -28,4 +29,8 @@ def __getattr__(name: str) -> Any:
         from ffstate.hooks import register_comm_hook
 
         return register_comm_hook
+    if name == "startup":
+        import importlib
+
+        return importlib.import_module("ffstate.startup")
     raise AttributeError(f"module 'ffstate' has no attribute {name!r}")

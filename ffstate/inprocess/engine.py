@@ -36,6 +36,7 @@ from ffstate.config import Config
 from ffstate.errors import FFStateError
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
+from ffstate.inprocess.locks import ReleaseLoggingLocks
 from ffstate.inprocess.store import ensure, heartbeat
 from ffstate.job import job_id
 
@@ -180,6 +181,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     with _without("LOCAL_RANK"):  # the extension >= 0.5 adds GPU health checks where it is set; none on a CPU
         wrapper = inprocess.Wrapper(store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
                                     abort=abort, rank_assignment=assignment, health_check=None,
+                                    finalize=ReleaseLoggingLocks(),
                                     monitor_process_logfile=str(run_dir / "engine-{rank}.log"), **WRAPPER)
     per = layout.per_node
 

@@ -69,3 +69,9 @@ def test_exit_now_flushes_the_logs_and_streams_returns_the_code_and_skips_finali
     assert proc.returncode == 3
     assert proc.stdout == "out, no newline" and proc.stderr == "err, no newline"  # no atexit, nothing after
     assert log.read_text() == "INFO:job:last step written\n"
+
+
+def test_exit_now_is_reached_as_the_docs_write_it_after_a_plain_import():
+    script = "import ffstate\nffstate.startup.exit_now(5)\n"  # docs/operations.md, integration.md, inprocess.md
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5, proc.stderr
