@@ -7,7 +7,7 @@ Python before 3.13 a logging handler takes its lock with ``self.acquire()`` and 
 main thread can still log (the lock is reentrant); every other thread that logs through that handler waits forever
 — among them the next failure's monitor thread, inside ffstate's own abort, so the job never restarts again.
 
-Seen once in the suite's in-process test (rank 2's process: the root handler's lock owned by its main thread, count
+Seen once in a run of the in-process test (rank 2's process: the root handler's lock owned by its main thread, count
 1, while that thread waited for its monitor thread, which waited for the lock inside ``GroupAbort``). After each
 restart, on the main thread, where no logging call is under way, the locks it still holds are leaked ones:
 ``ReleaseLoggingLocks`` releases them, before any other thread needs them.
@@ -33,7 +33,7 @@ def _logging_locks() -> list[tuple[str, Any]]:
             if h.lock is not None and id(h.lock) not in seen:
                 seen.add(id(h.lock))
                 locks.append((f"{lg.name or 'root'}: {type(h).__name__}", h.lock))
-    module_lock = getattr(logging, "_lock", None)  # private; present from 3.x to 3.13
+    module_lock = getattr(logging, "_lock", None)  # a private name: where it is absent, there is nothing to release
     if module_lock is not None:
         locks.append(("logging's module lock", module_lock))
     return locks
