@@ -37,7 +37,7 @@ from ffstate.errors import FFStateError
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
 from ffstate.inprocess.locks import ReleaseLoggingLocks
-from ffstate.inprocess.store import ensure, heartbeat
+from ffstate.inprocess.store import START_WAIT, ensure, heartbeat, wait_listening
 from ffstate.job import job_id
 
 log = logging.getLogger("ffstate.inprocess")
@@ -163,6 +163,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job_id(cfg)}"
     if placement.is_local(host):
         ensure(host, port, run_dir)
+    wait_listening(host, port, START_WAIT)  # a process on another node may start first: meets the host without delay
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")

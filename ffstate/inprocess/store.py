@@ -31,13 +31,18 @@ HEARTBEAT_EVERY = 5.0  # seconds between a process's heartbeats
 HEARTBEAT_KEY = "ffstate/inprocess/heartbeats"
 START_WAIT = 60.0  # seconds a process waits for the host to listen
 PORTS = 2  # the training's store, the engine's
+LISTEN_POLL = 0.05  # seconds between looks for a host that does not listen yet
 
 
 def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> None:
     """Counts this process among the job's while it lives, from any node: a thread adds 1 to ``HEARTBEAT_KEY`` of
-    the store at ``host:port`` every ``every`` seconds, on a connection of its own."""
+    the store at ``host:port`` every ``every`` seconds, on a connection of its own.
+
+    A process on another node may get here before the host listens: it connects once `wait_listening` sees it.
+    """
     import torch.distributed as dist
 
+    wait_listening(host, port, START_WAIT * 5)
     store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=START_WAIT * 5))
 
     def beat() -> None:
@@ -57,6 +62,20 @@ def listening(host: str, port: int) -> bool:
     return False
 
 
+def wait_listening(host: str, port: int, timeout: float) -> bool:
+    """Looks every ``LISTEN_POLL`` seconds, up to ``timeout``, for something listening at ``host:port``; a client
+    connected after it returns True meets the host without delay. TCPStore's own connect retries back off
+    exponentially (a client refused for 10 s connected 7.6 s after the host listened, measured): a process that
+    started first would meet it seconds late, long enough for a host with a short idle exit to see no beat and go.
+    """
+    deadline = time.monotonic() + timeout
+    while not listening(host, port):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(LISTEN_POLL)
+    return True
+
+
 def ensure(host: str, port: int, run_dir: Path) -> None:
     """Starts the stores' host at ``host:port`` unless something listens there, and waits for it.
 
@@ -73,12 +92,9 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
                     subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", host, str(port)],
                                      stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                                      close_fds=True)
-                deadline = time.monotonic() + START_WAIT
-                while not listening(host, port):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"the job's stores did not listen at {host}:{port} within {START_WAIT:.0f}s; "
-                                           f"see {log_path}")
-                    time.sleep(0.05)
+                if not wait_listening(host, port, START_WAIT):
+                    raise RuntimeError(f"the job's stores did not listen at {host}:{port} within {START_WAIT:.0f}s; "
+                                       f"see {log_path}")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 

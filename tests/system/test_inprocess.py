@@ -193,21 +193,25 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
     """The stores' host counts the job's processes by their heartbeats through the store, not by pid files on its
     own node: a process elsewhere (here one with no file in any run folder) keeps it past its idle exit, and once
     the last heartbeat stops the host exits on its own."""
-    port = free_ports(1)
-    # The process that beats is started first and waits, torch imported, for the host to listen (as a process on
-    # another node may): its first beat then comes within the host's idle exit however loaded the machine is.
+    port, idle_exit = free_ports(1), 3
+    # The process that beats is started first and finds nothing listening for a while, as a process on another node
+    # may: `heartbeat` looks for the host every 50 ms, so its first beat comes within the host's idle exit however
+    # long it waited (torch's own connect retries back off to seconds: 7.6 s after 10 s of refusals, measured, and a
+    # beater connected after the host had gone, once in a suite).
     beater = subprocess.Popen([sys.executable, "-c", "import sys, time\nimport torch.distributed\n"
                                "from ffstate.inprocess.store import heartbeat\nprint('ready', flush=True)\n"
-                               f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(12)"], stdout=subprocess.PIPE,
+                               f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(10)"], stdout=subprocess.PIPE,
                               text=True)
     host = None
     try:
         assert beater.stdout.readline().strip() == "ready"
-        host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port), "4"])
-        time.sleep(10)  # more than twice the idle exit, from the host's start
+        time.sleep(8)  # refused all that while
+        host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port),
+                                 str(idle_exit)])
+        time.sleep(3 * idle_exit)  # from the host's start (it listens within ~2 s of it)
         assert host.poll() is None, "the host left while a process of the job was beating"
         assert beater.wait(60) == 0
-        assert host.wait(60) == 0  # no heartbeat for 4 s: it exits, cleanly
+        assert host.wait(60) == 0  # no heartbeat for its idle exit: it exits, cleanly
     finally:
         for p in (host, beater):
             if p is not None and p.poll() is None:
