@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -100,6 +101,42 @@ def _daemons_cpu(scheduler: str) -> float:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
+
+
+def _daemons_threads(scheduler: str) -> dict[str, tuple[str, float]]:
+    """The CPU seconds so far of each thread of the daemons of ``scheduler``, by /proc path: (its name in the
+    operating system, which a daemon sets from its Python name: ``ffstate/daemon/threads.py``), and each
+    process's whole under its pid (threads that ended since count there alone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in json.loads(os.environ.get("FFSTATE_BENCH_DAEMON_PIDS", "{}")).get(scheduler, []):
+        for task in [Path(f"/proc/{pid}")] + sorted(Path(f"/proc/{pid}/task").iterdir()):
+            try:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                name = "" if task.parent.name != "task" else (task / "comm").read_text().strip()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            out[str(task)] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return out
+
+
+def by_thread(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds between two ``_daemons_threads`` by thread role (the name less its number: ``codec_0`` and
+    ``codec_1`` are ``codec``); ``ended threads``: what threads that are gone by ``after`` used (a streamed push's
+    feeder, one a call)."""
+    roles: dict[str, float] = {}
+    whole = 0.0  # the processes', ended threads included
+    for path, (name, seconds) in after.items():
+        used = seconds - before.get(path, (name, 0.0))[1]
+        if used < 0:  # its id taken again by a thread that began since
+            used = seconds
+        if not name:
+            whole += used
+            continue
+        role = re.sub(r"[_-]?\d+$", "", name) or name
+        roles[role] = roles.get(role, 0.0) + used
+    roles["ended threads"] = max(0.0, whole - sum(roles.values()))
+    return roles
 
 
 def _count_allreduce() -> list[int]:
@@ -247,7 +284,7 @@ def main() -> None:
                     if i == FIRST_TIMED:
                         sent_before[0] = sent[0]
                     if i == FIRST_TIMED and rank == 0:
-                        cpu = -_daemons_cpu(scheduler)
+                        cpu, threads = -_daemons_cpu(scheduler), _daemons_threads(scheduler)
                     start = time.perf_counter()
                     parts = train_step()
                     trained, cpu_before = time.perf_counter(), time.thread_time()
@@ -262,6 +299,9 @@ def main() -> None:
                 if rank == 0:  # the daemons' CPU over the timed steps (what they defer shows as the lag at the end)
                     res["daemon_cpu_seconds"] = res.get("daemon_cpu_seconds", 0.0) + cpu + _daemons_cpu(scheduler)
                     res["daemon_cpu_steps"] = res.get("daemon_cpu_steps", 0) + a.steps - FIRST_TIMED
+                    roles = res.setdefault("daemon_cpu_by_thread", {})
+                    for role, seconds in by_thread(threads, _daemons_threads(scheduler)).items():
+                        roles[role] = roles.get(role, 0.0) + seconds
                 # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),
                 # and how long it takes to drain: pacing that only defers the work would show here.
                 end = ff.stats()

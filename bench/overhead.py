@@ -205,6 +205,8 @@ def summarize(parallel: str, ranks: list[dict], modes: list[str], repeats: int =
             timed = ranks[0]["results"][mode]
             if timed.get("daemon_cpu_steps"):
                 row["daemon_cpu_seconds_per_step"] = timed["daemon_cpu_seconds"] / timed["daemon_cpu_steps"]
+                row["daemon_cpu_ms_per_step_by_thread"] = {  # by the threads' names (ffstate/daemon/threads.py)
+                    k: v * 1e3 / timed["daemon_cpu_steps"] for k, v in timed.get("daemon_cpu_by_thread", {}).items()}
                 replicated = row["replicated_bytes_per_rank"] * len(ranks) if MODES[mode][2] else 0
                 if replicated:
                     row["daemon_cpu_seconds_per_mb"] = row["daemon_cpu_seconds_per_step"] / (replicated / 1e6)
@@ -277,12 +279,16 @@ def report(result: dict) -> str:
             f"{', cores training:daemons ' + cfg['pin'] if cfg.get('pin') else ''}; "
             f"{cfg['repeats']} interleaved phases of {cfg['steps_per_phase']} steps per mode; gradient compression: "
             f"{cfg.get('hook', 'none')}; medians")
+    threads = [f"- {parallel} {mode}: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(
+        row["daemon_cpu_ms_per_step_by_thread"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        for parallel, job in result["jobs"].items() for mode, row in job.items() if row.get("daemon_cpu_ms_per_step_by_thread")]
     return "\n".join([head, "", table(rows, ["job @ link", "mode", "step ms", "x off", "x off paired",
                                              "fwd / bwd / opt ms", "commit ms (its CPU)", "training all-reduce MB/step/rank",
                                              "replication wire MB/step/rank",
                                              "x razor-off", "replicated MB of state MB",
                                              "lag at end steps / drain ms", "collectives met a chunk / overlap ms/step",
-                                             "daemon CPU ms/step", "daemon CPU ms/MB", "to disk: written / skipped"])])
+                                             "daemon CPU ms/step", "daemon CPU ms/MB", "to disk: written / skipped"]),
+                      *(["", "The daemons' CPU ms/step by thread (both nodes):", *threads] if threads else [])])
 
 
 def plot(result: dict, path: Path) -> Path | None:

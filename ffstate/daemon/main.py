@@ -14,6 +14,7 @@ from ffstate.config import DaemonConfig, cpu_list
 from ffstate.daemon.node import Node
 from ffstate.daemon.replicator import Pacer
 from ffstate.daemon.servicer import start_server
+from ffstate.daemon.threads import name_new_threads
 from ffstate.errors import FFStateError
 
 log = logging.getLogger("ffstate.daemon")
@@ -164,6 +165,7 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
     """Runs a daemon until SIGTERM/SIGINT, the idle timeout or an empty node (``exit_when_empty``); returns the
     exit code. ``ready(port)`` is called once it listens; ``pacer`` replaces the configured scheduler. Call it
     from the main thread (the signals' handlers); from its return on, SIGTERM and SIGINT are ignored."""
+    name_new_threads()  # top -H and perf show the codec, the replicators, the RPCs by name
     done = threading.Event()
     stop = StopSignals(done)  # first: a SIGTERM while the node starts is a clean stop too
     try:
