@@ -27,6 +27,7 @@ def test_short_names():
 
 def test_threads_started_after_it_name_themselves_and_run_unprofiled():
     got = {}
+    threading.setprofile(None)  # whatever ran before in this process
     before = threading.Thread(target=lambda: got.setdefault("before", _seen()), name="ffstate-repl-9")
     before.start()
     before.join()
