@@ -6,11 +6,14 @@ prints when it is ready. Failure injection is explicit: ``Daemon.kill()`` is a S
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +28,35 @@ from ffstate.client import Client, Tls
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 READY = re.compile(r"listening on ([\d.]+):(\d+)")
 START_TIMEOUT = 30.0
+
+
+def _ready_line(proc: subprocess.Popen, deadline: float) -> str:
+    """The daemon's line that says it listens, or the last line before it exited or ``deadline`` passed: read on a
+    thread, so that a daemon that prints nothing and does not exit cannot hold the caller past the deadline."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for got in iter(proc.stdout.readline, ""):
+            lines.put(got)
+            if READY.search(got):
+                return
+        lines.put("")  # the pipe closed: the daemon exited
+
+    threading.Thread(target=read, daemon=True).start()
+    line = ""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            got = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if READY.search(got):
+            return got
+        if not got:  # exited, or exiting: its last line
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            return line
+        line = got
+    return line
 
 
 @dataclass
@@ -93,12 +125,7 @@ class DaemonFactory:
         out = open(log_path, "w")
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=out, text=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=session)
-        deadline = time.monotonic() + START_TIMEOUT
-        line = ""
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if READY.search(line) or proc.poll() is not None:
-                break
+        line = _ready_line(proc, time.monotonic() + START_TIMEOUT)
         m = READY.search(line)
         if not m:
             proc.kill()

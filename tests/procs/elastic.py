@@ -196,6 +196,8 @@ def main() -> None:
     p.add_argument("--per-rank-extra", choices=("", "hooked", "plain"), default="")
     p.add_argument("--check", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step takes longer (for a test to act)")
+    p.add_argument("--stop-file", type=Path, default=None,
+                   help="the job ends at the step where this file exists (all ranks agree), or at --steps")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -240,9 +242,19 @@ def main() -> None:
                         pid = Path(tempfile.gettempdir()) / f"ffstate-{job}" / "daemon-node1.pid"
                         os.kill(int(pid.read_text()), signal.SIGKILL)
                     os.kill(os.getpid(), signal.SIGKILL)
+                if a.stop_file is not None and stop_now(a.stop_file):
+                    a.steps = step
                 if step >= a.steps:
                     break
     dist.destroy_process_group()
+
+
+def stop_now(path: Path) -> bool:
+    """Whether ``path`` exists, as the whole group sees it (a rank that saw it a step before another would leave
+    the others waiting in a collective)."""
+    seen = torch.tensor([float(path.exists())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    return bool(seen.item())
 
 
 if __name__ == "__main__":

@@ -36,11 +36,12 @@ def run_writer(a, job, steps, tmp_path, *extra, rank=0, world=2, check=True):
     return proc, torch.load(dump, weights_only=False)
 
 
-def attached_slots(a, job, steps):
-    """An in-process worker's slots (rank 0 of 1) attached at daemon ``a``, and ``steps`` training states to commit."""
+def attached_slots(a, job, steps, states=None):
+    """An in-process worker's slots (rank 0 of 1) attached at daemon ``a``, and ``steps`` training states to commit
+    (or ``states``, made beforehand)."""
     from helpers import train_states
 
-    states = list(train_states(steps))
+    states = list(states or train_states(steps))
     manifest = layout.describe(states[0])
     with a.client() as c:
         return shm.Slots(list(c.attach(job, 0, 1, manifest).slot_paths), manifest), states
@@ -322,10 +323,15 @@ def test_a_killed_daemons_slots_are_reclaimed_by_the_nodes_next_daemon(daemons):
 def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     """A worker with no replicas (one node) commits into its slots and never calls its daemon: the daemon
     must count those commits as activity, or its --idle-exit would remove the only copy mid-training."""
-    a = daemons.start("--idle-exit", "3")
-    slots, states = attached_slots(a, "j10", 2)
+    from helpers import train_states
+
+    # The states are made before the daemon starts: its idle clock runs from its start, and making them took 1.25 s
+    # here unloaded, long enough under load for the daemon to leave before the attach (3 failures in 3 loaded runs).
+    states = list(train_states(2))
+    a = daemons.start("--idle-exit", "4")
+    slots, states = attached_slots(a, "j10", 2, states)
     try:
-        for v in range(1, 26):  # 5 s of commits, past the idle timeout, and no call to the daemon
+        for v in range(1, 41):  # 8 s of commits, twice the idle timeout, and no call to the daemon
             SlotWriter(slots).commit(states[v % 2], v)
             time.sleep(0.2)
             assert a.proc.poll() is None, f"the daemon exited while commits went on (version {v}):\n{a.log()}"
@@ -333,7 +339,7 @@ def test_commits_alone_keep_an_idle_exit_daemon_serving(daemons):
     finally:
         slots.close()
     assert a.proc.wait(30) == 0  # commits stopped: idle now
-    assert "idle for 3s" in a.log()
+    assert "idle for 4s" in a.log()
 
 
 def test_a_commit_rings_the_daemon_which_takes_it_at_once(daemons, tmp_path):

@@ -54,7 +54,7 @@ def flushes(daemon):
 def test_a_full_disk_then_a_read_only_one_are_counted_and_logged_and_training_goes_on(daemons, small_disk, tmp_path):
     d = daemons.start("--persist-dir", str(small_disk), "--persist-every", "1", *BUSY)
     write(d, "full", 3, tmp_path)  # a TinyGPT training state is ~1.8 MB: no version fits in 256 KiB
-    wait_until(lambda: flushes(d).failed >= 1, what="a failed flush")
+    wait_until(lambda: flushes(d).failed >= 1, timeout=120, what="a failed flush")
     got = flushes(d)
     assert got.flushed == 0 and "no space left on device" in got.error.lower(), got
     assert "no space left on device" in d.log().lower() and "training goes on" in d.log()
@@ -63,7 +63,7 @@ def test_a_full_disk_then_a_read_only_one_are_counted_and_logged_and_training_go
     subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
     before = flushes(d).failed
     write(d, "full", 5, tmp_path, start=3)
-    wait_until(lambda: flushes(d).failed > before, what="a flush to the read-only disk")
+    wait_until(lambda: flushes(d).failed > before, timeout=120, what="a flush to the read-only disk")
     assert "Read-only file system" in flushes(d).error
     with d.client() as c:  # the daemon serves on: its slots, its health
         assert c.inventory("full").shards[0].version == 5
@@ -78,12 +78,12 @@ def test_a_removed_directory_is_made_again_and_flushing_resumes_bit_exact(daemon
         return got.flushed + got.skipped + got.failed >= n and persist.complete_versions(store / "gone")
 
     write(d, "gone", 4, tmp_path)  # the writer commits faster than a flush: some versions are skipped
-    wait_until(lambda: settled(4), what="versions 1-4 flushed or skipped")
+    wait_until(lambda: settled(4), timeout=120, what="versions 1-4 flushed or skipped")
     shutil.rmtree(store)
     states = write(d, "gone", 8, tmp_path, start=4)
     # Made again: version 4 again (if it was flushed before, its offer after the restart is flushed again), or a
     # newer one (those committed while it was written are skipped)
-    done = wait_until(lambda: settled(8), what="versions 4-8 flushed or skipped")
+    done = wait_until(lambda: settled(8), timeout=120, what="versions 4-8 flushed or skipped")
     assert flushes(d).failed == 0, flushes(d)
     vdir = persist.version_dir(store / "gone", done[-1])
     persist.check(vdir, [0])

@@ -145,7 +145,7 @@ def test_a_daemon_upgraded_since_it_refused_the_call_gets_it_again(little, monke
     # again ONE_CALL_AGAIN seconds after the refusal (it was never asked again: streams for ever).
     from ffstate import client as client_module
 
-    monkeypatch.setattr(client_module, "ONE_CALL_AGAIN", 1.0, raising=False)
+    monkeypatch.setattr(client_module, "ONE_CALL_AGAIN", 60.0, raising=False)  # no second ask by chance, loaded
     token = secrets.token_hex(8)
     node = Node(DaemonConfig(node_id=f"upgraded-{uuid.uuid4().hex[:8]}", host="127.0.0.1", port=0, token=token,
                              memory_limit=256 << 20))
@@ -159,7 +159,8 @@ def test_a_daemon_upgraded_since_it_refused_the_call_gets_it_again(little, monke
             server.stop(None).wait()
             server, _ = _older_daemon(node, token, port, without=())  # the same node, now with the call
             assert c.small_push_bytes == 0
-            time.sleep(1.1)
+            assert c._one_call_again > time.monotonic() + 30  # asked again ONE_CALL_AGAIN after the refusal...
+            c._one_call_again = time.monotonic()  # ... which is now, as if that long had passed
             c.push_and_commit(JOB, 0, 1, 3, codec.encode(little[2], little[1]), base_version=2)
             assert (one.calls, stream.calls) == (2, 2) and c.small_push_bytes > 0  # in one call again
             assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1)), little[2])

@@ -14,8 +14,9 @@ pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mo
 from ffstate.inprocess.locks import ReleaseLoggingLocks, release_held_logging_locks  # noqa: E402
 
 
-def logs_from_another_thread(logger: logging.Logger, seconds: float = 2.0) -> bool:
-    """Whether a thread other than this one gets a record through ``logger`` within ``seconds``."""
+def logs_from_another_thread(logger: logging.Logger, seconds: float = 30.0) -> bool:
+    """Whether a thread other than this one gets a record through ``logger`` within ``seconds`` (generous where it
+    should: a loaded machine may not run the thread at once)."""
     t = threading.Thread(target=logger.warning, args=("from another thread",), daemon=True)
     t.start()
     t.join(seconds)
@@ -114,6 +115,6 @@ def test_an_asynchronous_exception_inside_a_handlers_lock_leaves_it_held_until_r
         assert handler.lock._is_owned()  # leaked: this thread still holds it
         assert not logs_from_another_thread(lg, 0.5)
         assert release_held_logging_locks()
-        assert logs_from_another_thread(lg, 5)
+        assert logs_from_another_thread(lg)
     finally:
         lg.removeHandler(handler)

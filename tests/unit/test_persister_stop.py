@@ -223,7 +223,10 @@ def test_a_job_s_end_waits_for_the_replicator_s_copy_of_its_last_version(rank_sl
     offer = threading.Thread(target=p.offer, args=(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data,
                                                    persister_module.codec.buffer_checksum(data), None, lambda: True))
     offer.start()
-    time.sleep(0.2)  # claimed, copying
+    deadline = time.monotonic() + 30
+    while not p._copying and time.monotonic() < deadline:  # claimed, copying (the copy takes 1 s more)
+        time.sleep(0.005)
+    assert p._copying == 1
     try:
         assert p.final([shard]) == ["j/rank 0 of 1: version 3 was flushed already"]
         assert persist.complete_versions(tmp_path / "store" / "j") == [3]  # written before the job's end returned

@@ -276,7 +276,9 @@ def warm_real_ranks(tmp_path, monkeypatch, ranks: dict[str, tuple[ShardKey, int,
         slots[name] = (shm.Slots(paths, manifest), shm.Slots(paths, manifest))  # (the worker's, the daemon's)
     clock = {"now": time.time()}
     signals: list[tuple[int, int]] = []
-    dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0),
+    # hang_multiple 2: the deadline stays at the floor unless a gap between these real commits passes 1 s (at the
+    # default 10, one of 0.2 s on a loaded machine would have raised it past the 3 s the tests move the clock by).
+    dog = Watchdog(DaemonConfig(hang_floor=2.0, hang_startup=30.0, hang_multiple=2.0),
                    lambda: [(ranks[n][0], slots[n][1]) for n in ranks], kill=lambda pid, sig: signals.append((pid, sig)),
                    clock=lambda: clock["now"], sleep=lambda s: None)
     try:
