@@ -10,6 +10,10 @@ import torch
 
 from ffstate import inflight
 
+# A torch future's wait() blocks in C++, where pytest-timeout's signal cannot interrupt it: a regression that left
+# one waiting would hold the worker until CI's limit. The thread method dumps the stacks and ends the process.
+pytestmark = pytest.mark.timeout(60, method="thread")
+
 
 @pytest.fixture(autouse=True)
 def fresh():
