@@ -93,24 +93,18 @@ class AsyncSaver:
         dist.barrier()
 
 
-def _daemons_cpu(scheduler: str) -> float:
+def _daemons_threads(scheduler: str, process_first: bool) -> dict[str, tuple[str, float]]:
     """The CPU seconds so far of the daemons of ``scheduler`` (``$FFSTATE_BENCH_DAEMON_PIDS``; every node's: one
-    machine, or network namespaces of one), from /proc."""
-    total = 0.0
-    for pid in json.loads(os.environ.get("FFSTATE_BENCH_DAEMON_PIDS", "{}")).get(scheduler, []):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
-def _daemons_threads(scheduler: str) -> dict[str, tuple[str, float]]:
-    """The CPU seconds so far of each thread of the daemons of ``scheduler``, by /proc path: (its name in the
-    operating system, which a daemon sets from its Python name: ``ffstate/daemon/threads.py``), and each
-    process's whole under its pid (threads that ended since count there alone)."""
+    machine, or network namespaces of one), from /proc: each process's whole under its pid, with name "" (threads
+    that ended count there alone), and each thread by its path, with its name in the operating system (which a
+    daemon sets from its Python name: ``ffstate/daemon/threads.py``). A phase's first look reads each process
+    before its threads and its last after them, so that the threads' CPU between the two stays within the whole's
+    (up to the kernel's rounding: it scales each thread's and the process's ticks apart)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for pid in json.loads(os.environ.get("FFSTATE_BENCH_DAEMON_PIDS", "{}")).get(scheduler, []):
-        for task in [Path(f"/proc/{pid}")] + sorted(Path(f"/proc/{pid}/task").iterdir()):
+        tasks = sorted(Path(f"/proc/{pid}/task").iterdir())
+        for task in [Path(f"/proc/{pid}"), *tasks] if process_first else [*tasks, Path(f"/proc/{pid}")]:
             try:
                 fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
                 name = "" if task.parent.name != "task" else (task / "comm").read_text().strip()
@@ -122,10 +116,11 @@ def _daemons_threads(scheduler: str) -> dict[str, tuple[str, float]]:
 
 def by_thread(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, float]]) -> dict[str, float]:
     """CPU seconds between two ``_daemons_threads`` by thread role (the name less its number: ``codec_0`` and
-    ``codec_1`` are ``codec``); ``ended threads``: what threads that are gone by ``after`` used (a streamed push's
-    feeder, one a call)."""
+    ``codec_1`` are ``codec``); ``ended threads``: the rest of the processes' whole, what threads gone by ``after``
+    used (a streamed push's feeder, one a call); "whole": the processes' own count. The roles sum to the whole but
+    for a few ticks of the kernel's rounding, which can make the rest negative over a few steps: it is then 0."""
     roles: dict[str, float] = {}
-    whole = 0.0  # the processes', ended threads included
+    whole = 0.0
     for path, (name, seconds) in after.items():
         used = seconds - before.get(path, (name, 0.0))[1]
         if used < 0:  # its id taken again by a thread that began since
@@ -136,7 +131,7 @@ def by_thread(before: dict[str, tuple[str, float]], after: dict[str, tuple[str, 
         role = re.sub(r"[_-]?\d+$", "", name) or name
         roles[role] = roles.get(role, 0.0) + used
     roles["ended threads"] = max(0.0, whole - sum(roles.values()))
-    return roles
+    return {**roles, "whole": whole}
 
 
 def _count_allreduce() -> list[int]:
@@ -284,7 +279,7 @@ def main() -> None:
                     if i == FIRST_TIMED:
                         sent_before[0] = sent[0]
                     if i == FIRST_TIMED and rank == 0:
-                        cpu, threads = -_daemons_cpu(scheduler), _daemons_threads(scheduler)
+                        threads = _daemons_threads(scheduler, process_first=True)
                     start = time.perf_counter()
                     parts = train_step()
                     trained, cpu_before = time.perf_counter(), time.thread_time()
@@ -297,10 +292,11 @@ def main() -> None:
                     if i == 1:
                         before = ff.stats(wait=60)
                 if rank == 0:  # the daemons' CPU over the timed steps (what they defer shows as the lag at the end)
-                    res["daemon_cpu_seconds"] = res.get("daemon_cpu_seconds", 0.0) + cpu + _daemons_cpu(scheduler)
+                    split = by_thread(threads, _daemons_threads(scheduler, process_first=False))
+                    res["daemon_cpu_seconds"] = res.get("daemon_cpu_seconds", 0.0) + split.pop("whole")
                     res["daemon_cpu_steps"] = res.get("daemon_cpu_steps", 0) + a.steps - FIRST_TIMED
                     roles = res.setdefault("daemon_cpu_by_thread", {})
-                    for role, seconds in by_thread(threads, _daemons_threads(scheduler)).items():
+                    for role, seconds in split.items():
                         roles[role] = roles.get(role, 0.0) + seconds
                 # What the timed steps left unreplicated (at most max_lag, or commit would have blocked),
                 # and how long it takes to drain: pacing that only defers the work would show here.

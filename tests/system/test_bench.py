@@ -37,10 +37,10 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
         naive = result["jobs"]["ddp @ loopback"]["naive"]
         assert naive["commit_seconds"] > 0 and naive["wire_bytes_per_step_per_rank"] > 0
         assert naive["train_bytes_per_step_per_rank"] > 0 and naive["daemon_cpu_seconds_per_step"] > 0
-        # ... by the daemons' threads, named in the system (the replicator's, the RPCs' pool), summing to the whole
+        # ... by the daemons' threads, named in the system (the replicator's, the RPCs' pool); the arithmetic is
+        # tests/unit/test_overhead_split.py's (over 2 timed steps here, a tick of the kernel's is 5 ms a step)
         threads = naive["daemon_cpu_ms_per_step_by_thread"]
-        assert {"repl", "rpc"} <= set(threads), threads
-        assert abs(sum(threads.values()) - naive["daemon_cpu_seconds_per_step"] * 1e3) < 1.0, threads
+        assert {"repl", "rpc", "ended threads"} <= set(threads) and min(threads.values()) >= 0, threads
         for mode in ("persist", "async-save"):  # versions written to disk (or skipped while one was written)
             row = result["jobs"]["ddp @ loopback"][mode]
             assert row["saved"] > 0 and row["saved"] + row["skipped"] > 0, (mode, row)
