@@ -320,7 +320,7 @@ class DaemonConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None  # require client certificates signed by this CA (mutual TLS)
     tls_ca: Path | None = None  # the CA to verify peers' certificates when pushing to them
-    idle_exit: float = 0.0  # seconds; 0: never
+    idle_exit: float = 0.0  # seconds without a request or a commit, counted from when it listens; 0: never
     exit_when_empty: bool = False  # exit once a Drop leaves nothing attached or held (auto-started daemons)
     pid_file: Path | None = None
     # versions a replica can be stepped back: the workers' max_lag W, plus one (between a commit and its lag check

@@ -195,6 +195,7 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
                  "TLS" if cfg.tls_cert else "plaintext", node.store.budget, list(cfg.peers) or "none")
         if cfg.pid_file:
             cfg.pid_file.write_text(f"{os.getpid()}\n")
+        node.touch()  # the idle clock runs from here: a slow start (a persistent tier to read) is not idle time
         if ready is not None:
             ready(port)
         while not node.done.wait(0.5):
