@@ -5,7 +5,10 @@ use too)."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import random
+import subprocess
+import threading
 from typing import Any, Iterator
 
 import numpy as np
@@ -88,3 +91,29 @@ def worker_and_daemon_slots(tmp_path, monkeypatch, state: dict | None = None,
     finally:
         worker.close()
         daemon.close()
+
+
+class Lines:
+    """A child process's stdout read on a thread of its own: ``next(timeout)`` returns its next line, or fails saying
+    what it printed so far and whether it exited (a bare ``readline()`` waits for pytest's timeout and says nothing)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.seen, self._lines = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in iter(self.proc.stdout.readline, ""):
+            self._lines.put(line)
+        self._lines.put("")  # closed: the process exited
+
+    def next(self, timeout: float = 60.0) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line within {timeout}s from process {self.proc.pid} (exit code "
+                                 f"{self.proc.poll()}); it printed {self.seen!r}") from None
+        if not line:
+            raise AssertionError(f"process {self.proc.pid} closed its output (exit code {self.proc.poll()}); "
+                                 f"it printed {self.seen!r}")
+        self.seen.append(line)
+        return line.strip()

@@ -19,7 +19,7 @@ from ffstate._proto import replica_pb2_grpc as pb_grpc
 from ffstate.client import Client
 from ffstate.codec import Chunk, Packed
 from ffstate.errors import ReplicaError, ReplicaUnavailable
-from helpers import assert_bitwise_equal, train_states
+from helpers import Lines, assert_bitwise_equal, train_states
 
 pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
@@ -244,8 +244,9 @@ def test_pusher_killed_mid_stream_leaves_the_replica_and_the_next_push_works(dae
     proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "procs" / "pusher.py"), d.address, "killed"],
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "FFSTATE_TOKEN": TOKEN})
     try:
-        assert proc.stdout.readline().strip() == "committed 1"
-        assert proc.stdout.readline().strip() == "streaming"
+        lines = Lines(proc)
+        assert lines.next() == "committed 1"
+        assert lines.next() == "streaming"
         proc.kill()
         proc.wait(10)
     finally:

@@ -19,7 +19,7 @@ import pytest
 
 from ffstate import Config
 from ffstate.bench._report import free_ports
-from helpers import assert_bitwise_equal
+from helpers import Lines, assert_bitwise_equal
 
 pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mode's engine (nvidia-resiliency-ext) "
                     "is not installed")
@@ -204,7 +204,7 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
                               text=True)
     host = None
     try:
-        assert beater.stdout.readline().strip() == "ready"
+        assert Lines(beater).next() == "ready"
         time.sleep(8)  # refused all that while
         host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port),
                                  str(idle_exit)])
