@@ -11,9 +11,11 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
   measured too, and the floor is one device-to-host copy of the state's bytes into pinned memory;
 - **local restore** (the node survived): from the node's slots into the live model and optimizer,
   checksum verified, next to a clone of the state (memory-copy speed);
-- **remote restore** (the node is new): fetched from the holder over gRPC, decoded and verified,
-  into the live model and optimizer, next to the gRPC fetch alone (the transport), and next to the
-  state's bytes pulled from the holder's side over a raw TCP socket (what the link itself gives).
+- **remote restore** (the node is new): fetched from the holder (over its bulk socket, as a restore does: a gRPC
+  call for the ticket, the chunks on a plain TCP connection; ``ffstate/bulk/``), decoded and verified, into the live
+  model and optimizer, next to the fetch alone (the transport), the same restore and fetch over gRPC alone (a
+  client with the bulk socket off), and the state's bytes pulled from the holder's side over a raw TCP socket (what
+  the link itself gives).
 
 With ``--link RATE`` (e.g. ``1gbit``; needs root) the remote holder is another node: it runs in
 a second network namespace behind a ``tc``-shaped veth link, and the transport is that link.
@@ -113,7 +115,9 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
     try:
         raw = RawPull(nbytes, host=holder_host or "127.0.0.1", prefix=["ip", "netns", "exec", holder_ns] if holder_ns else [])
         with ffstate.replicate(model, opt, sched, extra=extra, config=cfg) as ff, \
-                Client(node_addr, token, timeout=60) as node_client, Client(holder_addr, token, timeout=60) as remote:
+                Client(node_addr, token, timeout=60) as node_client, Client(holder_addr, token, timeout=60) as remote, \
+                Client(holder_addr, token, timeout=60) as remote_grpc:
+            remote_grpc.bulk = False  # the same holder over gRPC alone, for the comparison
             step = iter(range(1, 1 << 30))
             ff.commit(next(step))
             landed = lambda: (ff.commit(next(step)), ff.flush())  # noqa: E731
@@ -134,7 +138,9 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
             restore_t = median_seconds({
                 "local restore": lambda: restore(local, {}),
                 "remote restore": lambda: restore(None, {holder_addr: remote}),
-                "gRPC fetch alone": lambda: fetch_striped([remote], JOB, 0, 1, version),
+                "remote restore over gRPC": lambda: restore(None, {holder_addr: remote_grpc}),
+                "fetch alone": lambda: fetch_striped([remote], JOB, 0, 1, version),
+                "gRPC fetch alone": lambda: fetch_striped([remote_grpc], JOB, 0, 1, version),
                 "raw TCP": raw,
                 "clone": clone,
             }, repeats)
@@ -156,15 +162,18 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
         "seconds": {"commit": commit["ffstate commit"], "commit_landed": commit["commit landed"],
                     "warm_copy": commit["warm copy"],
                     "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
-                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["gRPC fetch alone"],
+                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["fetch alone"],
+                    "remote_restore_grpc": restore_t["remote restore over gRPC"], "fetch_grpc": restore_t["gRPC fetch alone"],
                     "raw_tcp": restore_t["raw TCP"]},
+        "transport": "bulk socket" if remote.bulk else "gRPC (the holder has no bulk socket)",
     }
     s = result["seconds"]
     result["ratios"] = {"commit_over_warm_copy": s["commit"] / s["warm_copy"], "commit_over_clone": s["commit"] / s["clone"],
                         "commit_landed_over_warm_copy": s["commit_landed"] / s["warm_copy"],
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
                         "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"],
-                        "remote_restore_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore"]}
+                        "remote_restore_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore"],
+                        "remote_restore_grpc_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore_grpc"]}
     return publish(out_dir, "capture" if link == "loopback" else f"capture-{link}", result, report, plot)
 
 
@@ -184,7 +193,10 @@ def report(result: dict) -> str:
         ["remote restore", f"{s['remote_restore'] * 1e3:.1f}", gbps(s["remote_restore"]),
          f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed, "
          f"{r['remote_restore_share_of_raw_tcp']:.2f}x raw TCP's"],
-        ["gRPC fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), "the transport"],
+        ["fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), f"the transport: {result['transport']}"],
+        ["remote restore over gRPC", f"{s['remote_restore_grpc'] * 1e3:.1f}", gbps(s["remote_restore_grpc"]),
+         f"{r['remote_restore_grpc_share_of_raw_tcp']:.2f}x raw TCP's (the bulk socket off)"],
+        ["gRPC fetch alone", f"{s['fetch_grpc'] * 1e3:.1f}", gbps(s["fetch_grpc"]), "gRPC's Fetch"],
         ["raw TCP", f"{s['raw_tcp'] * 1e3:.1f}", gbps(s["raw_tcp"]), "the link's ceiling"],
     ]
     where = "on loopback" if cfg.get("link", "loopback") == "loopback" else f"across a {cfg['link']} link"
@@ -199,8 +211,9 @@ def plot(result: dict, path: Path) -> Path | None:
     if plt is None:
         return None
     s = result["seconds"]
-    names = ["commit", "commit_landed", "warm_copy", "clone", "local_restore", "remote_restore", "fetch", "raw_tcp"]
-    colors = ["tab:blue", "tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "grey"]
+    names = ["commit", "commit_landed", "warm_copy", "clone", "local_restore", "remote_restore", "fetch",
+             "remote_restore_grpc", "fetch_grpc", "raw_tcp"]
+    colors = ["tab:blue", "tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "tab:red", "grey", "grey"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.barh([n.replace("_", " ") for n in names][::-1], [s[n] * 1e3 for n in names][::-1], color=colors[::-1])
     ax.set_xlabel("milliseconds (median)")

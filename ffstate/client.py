@@ -21,6 +21,7 @@ import grpc
 
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
+from ffstate.bulk import client as bulk
 from ffstate.errors import CodecError, ReplicaError, ReplicaUnavailable
 from ffstate.reports import RazorReport
 from ffstate.wire import DEFAULT_MAX_MESSAGE, TOKEN_KEY, shard, with_payload
@@ -77,6 +78,8 @@ class Client:
         self.timeout = timeout
         self.retries = retries
         self._metadata = ((TOKEN_KEY, token),)
+        self.max_message_bytes = max_message_bytes
+        self.bulk = tls is None  # fetch over the daemon's bulk socket (``ffstate/bulk/``) while it has one
         self._ready: grpc.Future | None = None  # reachable()'s look at the connection, while it is not up
         self._ready_lock = threading.Lock()
         self._closed = False
@@ -295,14 +298,20 @@ class Client:
         from ffstate.codec import Chunk
 
         def run() -> list[tuple[int, Chunk]]:
-            got = []
+            got: list[tuple[int, Chunk]] = []
+            deliver = sink or (lambda version, chunk: got.append((version, chunk)))
+            if self.bulk:
+                try:
+                    if bulk.fetch(self, req, deliver):
+                        return got
+                except ReplicaError as e:
+                    if e.code != "UNAVAILABLE":
+                        raise
+                    log.warning("%s: fetching it over gRPC", e)
+                    got.clear()
             for raw in self._fetch(req, **self._kw(self.timeout * 10)):
                 m, payload = wire.parse_with_payload(raw, pb.FetchChunk, 5)  # the payload not copied again
-                item = (m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, payload))
-                if sink is None:
-                    got.append(item)
-                else:
-                    sink(*item)
+                deliver(m.version, Chunk(m.chunk_index, m.chunk_count, m.checksum, payload))
             return got
 
         return self._call(f"fetch of {job_id}/{rank} version {version or 'newest'}", run)

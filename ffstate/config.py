@@ -92,6 +92,9 @@ class Config:
         link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
             known; "" measures it from the first push and follows it.
         metrics_port: Prometheus metrics of node n's started daemon on ``metrics_port + n``; 0: off.
+        bulk_port: the port of node n's started daemon's bulk socket, which carries restores' chunks without
+            gRPC's framing (``bulk_port + n``; 0: one the kernel picks; -1: none, every fetch over gRPC). A
+            caller that cannot reach it fetches over gRPC; pin it where a firewall must let it through.
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.
@@ -165,6 +168,7 @@ class Config:
     link_share: float = 0.5
     link_bandwidth: str = ""
     metrics_port: int = 0
+    bulk_port: int = 0
     hang_action: str = "kill"
     hang_multiple: float = 10.0
     hang_floor: float = 60.0
@@ -332,6 +336,7 @@ class DaemonConfig:
     link_share: float = 0.5  # share of each link's estimated bandwidth replication may use
     link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
+    bulk_port: int = 0  # restores' chunks without gRPC's framing (ffstate/bulk/); 0: a port the kernel picks; -1: off
     slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
     max_pushes: int = 48  # pushes served at once (streamed or in one call); more are refused, so other calls get threads
     push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off

@@ -164,6 +164,18 @@ class FetchChunk(_message.Message):
     payload: bytes
     def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class BulkTicket(_message.Message):
+    __slots__ = ("ticket", "port", "version", "chunks")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    port: int
+    version: int
+    chunks: int
+    def __init__(self, ticket: _Optional[bytes] = ..., port: _Optional[int] = ..., version: _Optional[int] = ..., chunks: _Optional[int] = ...) -> None: ...
+
 class InventoryRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class ReplicaStub:
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
                 response_deserializer=ffstate_dot_v1_dot_replica__pb2.FetchChunk.FromString,
                 _registered_method=True)
+        self.FetchBulk = channel.unary_unary(
+                '/ffstate.v1.Replica/FetchBulk',
+                request_serializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
+                response_deserializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
+                _registered_method=True)
         self.Inventory = channel.unary_unary(
                 '/ffstate.v1.Replica/Inventory',
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.InventoryRequest.SerializeToString,
@@ -149,6 +154,17 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchBulk(self, request, context):
+        """Unary: Fetch's chunks made ready for the daemon's bulk socket, a plain TCP port beside this one that carries
+        them framed, without HTTP/2 and protobuf per chunk (docs/wire-format.md, "The bulk socket"). The answer names
+        the port and a single-use ticket: the caller connects within seconds, sends the ticket and reads the chunks.
+        The request is checked here, as Fetch checks it; UNIMPLEMENTED where the daemon has no bulk socket (TLS, or
+        --bulk-port -1): fetch with Fetch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Inventory(self, request, context):
         """What this daemon holds: shards, versions, bytes, budget.
         """
@@ -217,6 +233,11 @@ def add_ReplicaServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.FromString,
                     response_serializer=ffstate_dot_v1_dot_replica__pb2.FetchChunk.SerializeToString,
+            ),
+            'FetchBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchBulk,
+                    request_deserializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.FromString,
+                    response_serializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.SerializeToString,
             ),
             'Inventory': grpc.unary_unary_rpc_method_handler(
                     servicer.Inventory,
@@ -428,6 +449,33 @@ class Replica:
             '/ffstate.v1.Replica/Fetch',
             ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
             ffstate_dot_v1_dot_replica__pb2.FetchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ffstate.v1.Replica/FetchBulk',
+            ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
+            ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -250,6 +250,7 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
         scheduler=cfg.scheduler, link_share=cfg.link_share,
         link_bandwidth=parse_bytes(cfg.link_bandwidth) if cfg.link_bandwidth else 0,
         metrics_port=cfg.metrics_port + node if cfg.metrics_port else 0, hang_action=cfg.hang_action,
+        bulk_port=cfg.bulk_port + node if cfg.bulk_port > 0 else cfg.bulk_port,
         hang_multiple=cfg.hang_multiple, hang_floor=cfg.hang_floor, hang_ceiling=cfg.hang_ceiling,
         hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio,
         persist_dir=Path(cfg.persist_dir) if cfg.persist_dir else None, persist_every=cfg.persist_every,

@@ -10,6 +10,7 @@ import signal
 import threading
 from typing import Callable
 
+from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig, cpu_list
 from ffstate.daemon.node import Node
 from ffstate.daemon.replicator import Pacer
@@ -175,9 +176,18 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
 
 
 def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -> int:
+    bulk = None
     try:
-        server, port = start_server(node, cfg)
+        if cfg.bulk_port >= 0 and not cfg.tls_cert:  # under TLS every byte stays on the encrypted channel
+            try:
+                bulk = BulkServer(cfg.host, cfg.bulk_port, node.release, node.touch, node.refused)
+            except OSError as e:
+                raise FFStateError(f"cannot listen for bulk fetches on {cfg.host}:{cfg.bulk_port} (--bulk-port): {e}"
+                                   ) from e
+        server, port = start_server(node, cfg, bulk)
     except BaseException:
+        if bulk is not None:
+            bulk.close()
         node.close()
         raise
     metrics = None
@@ -191,8 +201,9 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
                 raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from e
         log.info("scheduler: %s, link share %.2f, link bandwidth %s", node.replicator.pacer.name, cfg.link_share,
                  f"{cfg.link_bandwidth / 1e6:.1f} MB/s" if cfg.link_bandwidth else "measured")
-        log.info("ffstate daemon %s serving on %s:%d (%s), budget %d bytes, peers %s", cfg.node_id, cfg.host, port,
-                 "TLS" if cfg.tls_cert else "plaintext", node.store.budget, list(cfg.peers) or "none")
+        log.info("ffstate daemon %s serving on %s:%d (%s; bulk socket %s), budget %d bytes, peers %s", cfg.node_id,
+                 cfg.host, port, "TLS" if cfg.tls_cert else "plaintext", bulk.port if bulk else "off", node.store.budget,
+                 list(cfg.peers) or "none")
         if cfg.pid_file:
             cfg.pid_file.write_text(f"{os.getpid()}\n")
         node.touch()  # the idle clock runs from here: a slow start (a persistent tier to read) is not idle time
@@ -200,11 +211,15 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
             ready(port)
         while not node.done.wait(0.5):
             node.expire_staged()
+            if bulk is not None:
+                bulk.expire()
             if cfg.idle_exit and node.idle_seconds() > cfg.idle_exit:
                 log.info("idle for %.0fs (--idle-exit): exiting", cfg.idle_exit)
                 break
     finally:
         server.stop(5.0).wait(6.0)
+        if bulk is not None:
+            bulk.close()
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()

@@ -17,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
+from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
 from ffstate.daemon.store import IncomingChunk
@@ -80,8 +81,9 @@ class TokenInterceptor(grpc.ServerInterceptor):
 class Servicer:
     """``ffstate.v1.Replica`` over a ``Node``: each method unpacks its request, calls the node, packs the answer."""
 
-    def __init__(self, node: Node):
+    def __init__(self, node: Node, bulk: BulkServer | None = None):
         self.node = node
+        self.bulk = bulk  # the bulk socket, where the daemon has one
         cfg = node.cfg
         self._pushes = threading.BoundedSemaphore(cfg.max_pushes)
         self._idle = cfg.push_idle_timeout
@@ -206,36 +208,51 @@ class Servicer:
 
         return self._guard("Commit", context, run)
 
-    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        def fetch() -> tuple[int, list, int]:
-            wanted = list(request.chunks)
-            _ascending(wanted)  # before anything is copied or encoded
-            version, packed, reserved = self.node.fetch(_key(request.shard), request.version, wanted)
-            try:
-                if request.checksum and packed.checksum != request.checksum:
-                    raise ReplicaError(f"version {version} of {_key(request.shard)} here has checksum "
-                                       f"{packed.checksum:016x}, not the {request.checksum:016x} asked for: another "
-                                       "copy of that version", "FAILED_PRECONDITION")
-                count = packed.chunks[0].count if packed.chunks else 0
-                if not wanted or len(packed.chunks) != count:  # everything, or the chunks named alone
-                    return version, packed.chunks, reserved
-                if wanted[-1] >= count:  # a whole encoding at hand (cached): the chunks named, from it
-                    raise ReplicaError(f"fetch names chunk {wanted[-1]}: the version has {count} chunks (indices "
-                                       "must stay below it)", "INVALID_ARGUMENT")
-                return version, [packed.chunks[i] for i in wanted], reserved
-            except ReplicaError:
-                self.node.release(reserved)
-                raise
-
-        version, chunks, reserved = self._guard("Fetch", context, fetch)
+    def _fetched(self, request: pb.FetchRequest) -> tuple[int, list, int]:
+        """(version, the chunks ``request`` asks for, bytes reserved until they are sent): Fetch's and FetchBulk's
+        checks and work, before anything is sent."""
+        wanted = list(request.chunks)
+        _ascending(wanted)  # before anything is copied or encoded
+        version, packed, reserved = self.node.fetch(_key(request.shard), request.version, wanted)
         try:
-            for c in chunks[request.first_chunk :: request.chunk_step or 1]:
+            if request.checksum and packed.checksum != request.checksum:
+                raise ReplicaError(f"version {version} of {_key(request.shard)} here has checksum "
+                                   f"{packed.checksum:016x}, not the {request.checksum:016x} asked for: another "
+                                   "copy of that version", "FAILED_PRECONDITION")
+            count = packed.chunks[0].count if packed.chunks else 0
+            if not wanted or len(packed.chunks) != count:  # everything, or the chunks named alone
+                chunks = packed.chunks
+            elif wanted[-1] >= count:  # a whole encoding at hand (cached): the chunks named, from it
+                raise ReplicaError(f"fetch names chunk {wanted[-1]}: the version has {count} chunks (indices "
+                                   "must stay below it)", "INVALID_ARGUMENT")
+            else:
+                chunks = [packed.chunks[i] for i in wanted]
+            return version, chunks[request.first_chunk :: request.chunk_step or 1], reserved
+        except ReplicaError:
+            self.node.release(reserved)
+            raise
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        version, chunks, reserved = self._guard("Fetch", context, lambda: self._fetched(request))
+        try:
+            for c in chunks:
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
                                      checksum=c.checksum).SerializeToString()
                 yield wire.with_payload(head, 5, c.payload)
                 self.node.touch()
         finally:
             self.node.release(reserved)
+
+    def FetchBulk(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.BulkTicket:
+        """Fetch's chunks offered on the bulk socket (``ffstate/bulk/``): the answer's ticket claims them there."""
+        def offer() -> pb.BulkTicket:
+            if self.bulk is None:
+                raise ReplicaError("this daemon has no bulk socket (TLS, or --bulk-port -1): use Fetch", "UNIMPLEMENTED")
+            version, chunks, reserved = self._fetched(request)
+            ticket = self.bulk.offer(version, chunks, reserved)  # it owns the reservation from here
+            return pb.BulkTicket(ticket=ticket, port=self.bulk.port, version=version, chunks=len(chunks))
+
+        return self._guard("FetchBulk", context, offer)
 
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
         return self._guard("Inventory", context, lambda: wire.to_proto(self.node.report(request.job_id)))
@@ -273,8 +290,9 @@ class Servicer:
         return grpc.method_handlers_generic_handler(wire.SERVICE, handlers)
 
 
-def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
-    """Serves ``node`` at ``cfg.host:cfg.port`` (TLS with ``tls_cert``/``tls_key``); returns the server and its port.
+def start_server(node: Node, cfg: DaemonConfig, bulk: BulkServer | None = None) -> tuple[grpc.Server, int]:
+    """Serves ``node`` at ``cfg.host:cfg.port`` (TLS with ``tls_cert``/``tls_key``), FetchBulk's chunks on ``bulk``;
+    returns the server and its port.
 
     Raises:
         FFStateError: the address cannot be bound (in use, or not this host's).
@@ -286,7 +304,7 @@ def start_server(node: Node, cfg: DaemonConfig) -> tuple[grpc.Server, int]:
     # Pushes take at most max_pushes threads; the rest answer health checks, Inventory, Commit, Fetch...
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_pushes + 16, thread_name_prefix="ffstate-rpc"),
                          interceptors=[TokenInterceptor(cfg.token, node.refused)], options=opts)
-    server.add_generic_rpc_handlers([Servicer(node).handlers()])
+    server.add_generic_rpc_handlers([Servicer(node, bulk).handlers()])
     health_servicer = health.HealthServicer()
     health_servicer.set(wire.SERVICE, health_pb2.HealthCheckResponse.SERVING)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,51 @@
+"""The bulk socket's framing (docs/wire-format.md, "The bulk socket"), shared by the daemon and its callers.
+
+Caller -> daemon: the ticket (``TICKET_BYTES``), nothing else. Daemon -> caller: ``HELLO`` (magic, the version,
+the number of chunks that follow), then each chunk as ``FRAME`` (its index and count in the version's encoding, its
+checksum, its payload's length) and its payload; then the daemon closes the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+TICKET_BYTES = 32
+MAGIC = b"FFB1"
+HELLO = struct.Struct("<4sQI")  # magic, version, chunks on this connection
+FRAME = struct.Struct("<IIQQ")  # chunk index, chunk count, checksum, payload bytes
+
+
+def recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
+    """``nbytes`` from ``sock`` (small reads: a ticket, a header); fewer only where the peer closed first."""
+    parts, got = [], 0
+    while got < nbytes:
+        part = sock.recv(nbytes - got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> int:
+    """Fills ``view`` from ``sock``; returns the bytes received (fewer than asked only where the peer closed)."""
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def send_parts(sock: socket.socket, parts: list) -> None:
+    """Sends ``parts`` (bytes-like) in order, gathered by the kernel (``sendmsg``), resuming after partial sends."""
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]

@@ -1,0 +1,161 @@
+"""The daemon's side of the bulk socket: offers (a fetch's chunks, reserved, under a ticket) and the listening
+socket that serves each to the one connection that brings its ticket.
+
+Bounds: at most ``MAX_OFFERS`` offers wait at once (each holds its reservation against the daemon's memory budget
+until it is served or ``TICKET_TTL`` passes), at most ``MAX_CONNECTIONS`` connections are served at once (more are
+closed at once), and a connection has ``HELLO_TIMEOUT`` seconds to send its ticket; a receiver that stops reading
+is cut off after ``SEND_TIMEOUT`` seconds without progress. A wrong or expired ticket closes the connection
+without a byte sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC, TICKET_BYTES, recv_exactly, send_parts
+from ffstate.errors import ReplicaError
+
+log = logging.getLogger("ffstate.daemon")
+
+TICKET_TTL = 10.0  # seconds an offer waits for its connection
+MAX_OFFERS = 64
+MAX_CONNECTIONS = 16
+HELLO_TIMEOUT = 5.0
+SEND_TIMEOUT = 60.0
+LOG_EVERY = 1.0  # seconds between logged refusals (the rest are counted)
+
+
+@dataclass
+class _Offer:
+    expires: float
+    version: int
+    chunks: Sequence  # codec.Chunk: index, count, checksum, payload
+    reserved: int  # bytes of the daemon's budget to release once served or expired
+
+
+class BulkServer:
+    """Listens at ``host:port`` (0: a port the kernel picks) and serves offers; ``release(nbytes)`` gives an offer's
+    reservation back, ``touch()`` marks the daemon active, ``refused(status)`` counts a refused connection."""
+
+    def __init__(self, host: str, port: int, release: Callable[[int], None], touch: Callable[[], None] = lambda: None,
+                 refused: Callable[[str], None] = lambda status: None):
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE)[0]
+        self._sock = socket.socket(family, kind, proto)
+        try:
+            self._sock.bind(address)
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = self._sock.getsockname()[1]
+        self._release, self._touch, self._refused = release, touch, refused
+        self._offers: dict[bytes, _Offer] = {}
+        self._lock = threading.Lock()
+        self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._closed = False
+        self._logged = (0.0, 0)  # (when a refusal was last logged, how many were not since)
+        self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
+        self._thread.start()
+
+    def offer(self, version: int, chunks: Sequence, reserved: int) -> bytes:
+        """A ticket for ``chunks``; the offer owns ``reserved`` from here on (released when served or expired).
+
+        Raises:
+            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait (``reserved`` is released first).
+        """
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        with self._lock:
+            full = len(self._offers) >= MAX_OFFERS or self._closed
+            if not full:
+                self._offers[ticket] = _Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved)
+        if full:
+            self._release(reserved)
+            raise ReplicaError(f"{MAX_OFFERS} bulk fetches wait for their connections here; retry, or use Fetch",
+                               "RESOURCE_EXHAUSTED")
+        return ticket
+
+    def expire(self) -> int:
+        """Drops the offers whose connection did not come within ``TICKET_TTL`` (the daemon's loop calls this)."""
+        now = time.monotonic()
+        with self._lock:
+            gone = [t for t, o in self._offers.items() if o.expires < now]
+            offers = [self._offers.pop(t) for t in gone]
+        for o in offers:
+            self._release(o.reserved)
+        if offers:
+            log.warning("%d bulk fetch(es) never connected within %gs: their chunks are released", len(offers),
+                        TICKET_TTL)
+        return len(offers)
+
+    def close(self) -> None:
+        """Stops listening and releases every offer not yet served (connections being served finish or fail)."""
+        with self._lock:
+            self._closed = True
+            offers, self._offers = list(self._offers.values()), {}
+        for o in offers:
+            self._release(o.reserved)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(5.0)
+
+    # ------------------------------------------------------------ connections
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self._sock.accept()
+            except OSError:  # closed
+                return
+            if self._closed:
+                conn.close()
+                return
+            if not self._conns.acquire(blocking=False):
+                conn.close()
+                self._refuse(peer, "RESOURCE_EXHAUSTED", f"{MAX_CONNECTIONS} bulk connections are being served")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name="bulk", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        offer = None
+        try:
+            conn.settimeout(HELLO_TIMEOUT)
+            ticket = recv_exactly(conn, TICKET_BYTES)
+            with self._lock:
+                offer = self._offers.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
+            if offer is None:
+                self._refuse(peer, "UNAUTHENTICATED", "an unknown or expired ticket")
+                return
+            conn.settimeout(SEND_TIMEOUT)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_parts(conn, [HELLO.pack(MAGIC, offer.version, len(offer.chunks))])
+            for c in offer.chunks:
+                send_parts(conn, [FRAME.pack(c.index, c.count, c.checksum, len(c.payload)), c.payload])
+                self._touch()
+        except OSError as e:  # the caller went away or stalled: it fetches again, from here or elsewhere
+            log.warning("bulk fetch to %s cut short: %s", peer[0], e)
+        finally:
+            if offer is not None:
+                self._release(offer.reserved)
+            conn.close()
+            self._conns.release()
+
+    def _refuse(self, peer: tuple, status: str, why: str) -> None:
+        self._refused(status)
+        now = time.monotonic()
+        last, quiet = self._logged
+        if now - last >= LOG_EVERY:
+            more = f" (and {quiet} more since)" if quiet else ""
+            log.warning("refused a bulk connection from %s: %s%s", peer[0], why, more)
+            self._logged = (now, 0)
+        else:
+            self._logged = (last, quiet + 1)

@@ -1,0 +1,137 @@
+"""The bulk socket (``ffstate/bulk/``) against a real daemon: a fetch's chunks come over it bit for bit as gRPC's
+Fetch sends them (whole versions, stepped-back ones, named chunks, stripes); a ticket serves one connection, and a
+connection without a live ticket gets nothing; a daemon without the socket (``--bulk-port -1``, or TLS) is fetched
+from over gRPC."""
+
+import os
+import socket
+import time
+
+import grpc
+import pytest
+
+from daemons import TOKEN, make_tls
+from ffstate import codec
+from ffstate._proto import replica_pb2 as pb
+from ffstate._proto import replica_pb2_grpc as pb_grpc
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC
+from ffstate.bulk.server import HELLO_TIMEOUT
+from ffstate.client import Client
+from ffstate.errors import ReplicaError
+from ffstate.wire import shard
+from helpers import assert_bitwise_equal, train_states
+
+pytestmark = pytest.mark.timeout(120)
+JOB = "bulk"
+CHUNK = 64 << 10
+META = (("ffstate-token", TOKEN),)
+
+
+@pytest.fixture(scope="module")
+def states():
+    return list(train_states(3))
+
+
+def held(d, states) -> Client:
+    """A client of ``d`` holding versions 1-3 of rank 0 (a full version, then deltas)."""
+    c = d.client()
+    prev = None
+    for v, s in enumerate(states, 1):
+        c.push_and_commit(JOB, 0, 1, v, codec.encode(s, prev, chunk_bytes=CHUNK), base_version=v - 1 if prev else 0)
+        prev = s
+    return c
+
+
+def no_grpc_fetch(c: Client) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fetch went over gRPC's Fetch, not the bulk socket")
+    c._fetch = refuse
+
+
+def over_grpc(d) -> Client:
+    c = d.client()
+    c.bulk = False
+    return c
+
+
+def test_fetches_over_the_bulk_socket_match_grpc_bit_for_bit(daemons, states):
+    d = daemons.start()
+    with held(d, states) as c, over_grpc(d) as g:
+        no_grpc_fetch(c)
+        for version in (3, 2):  # the held version, and one stepped back
+            bulk = c.fetch(JOB, 0, 1, version)
+            assert_bitwise_equal(codec.decode(bulk), states[version - 1])
+            plain = g.fetch(JOB, 0, 1, version)
+            assert [(x.index, x.count, x.checksum, bytes(x.payload)) for x in bulk.chunks] == \
+                   [(x.index, x.count, x.checksum, bytes(x.payload)) for x in plain.chunks]
+        count = bulk.chunks[0].count
+        assert count >= 4
+        named = [0, 2, count - 1]
+        for first, step in ((0, 1), (1, 2)):  # named chunks, and a stripe of them
+            a = c.fetch_chunks(JOB, 0, 1, 3, first=first, step=step, chunks=named)
+            b = g.fetch_chunks(JOB, 0, 1, 3, first=first, step=step, chunks=named)
+            assert [(v, x.index, bytes(x.payload)) for v, x in a] == [(v, x.index, bytes(x.payload)) for v, x in b]
+            assert [x.index for _, x in a] == named[first::step]
+        assert c.bulk  # every one of them over the socket
+        with pytest.raises(ReplicaError, match="NOT_FOUND"):  # refused as Fetch refuses, before any ticket
+            c.fetch(JOB, 0, 1, 9)
+
+
+def ticket(stub) -> pb.BulkTicket:
+    return stub.FetchBulk(pb.FetchRequest(shard=shard(JOB, 0, 1), version=3), metadata=META)
+
+
+def claim(port: int, data: bytes) -> bytes:
+    """What the daemon sends a connection that opens with ``data``, until it closes it."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # and nothing more
+        got = []
+        while part := s.recv(1 << 20):
+            got.append(part)
+    return b"".join(got)
+
+
+def test_a_ticket_serves_one_connection_and_nothing_else_is_served(daemons, states):
+    d = daemons.start()
+    with held(d, states), grpc.insecure_channel(d.address) as ch:
+        stub = pb_grpc.ReplicaStub(ch)
+        offer = ticket(stub)
+        got = claim(offer.port, offer.ticket)
+        magic, version, n = HELLO.unpack_from(got)
+        assert (magic, version, n) == (MAGIC, 3, offer.chunks)
+        first = FRAME.unpack_from(got, HELLO.size)
+        assert first[0] == 0 and first[1] == n  # the header chunk first
+        assert claim(offer.port, offer.ticket) == b""  # used: nothing the second time
+        assert claim(offer.port, os.urandom(32)) == b""  # a guess: nothing
+        assert claim(offer.port, ticket(stub).ticket[:31]) == b""  # a ticket's prefix, then the end: nothing
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", offer.port), timeout=30) as s:  # silent: cut off
+            s.sendall(b"x")
+            assert s.recv(1) == b""
+        assert time.monotonic() - start < HELLO_TIMEOUT + 10
+        with pytest.raises(grpc.RpcError) as e:  # the ticket's call is token-checked like every call
+            stub.FetchBulk(pb.FetchRequest(shard=shard(JOB, 0, 1)), metadata=(("ffstate-token", "wrong"),))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "refused a bulk connection" in d.log()
+    with held(d, states) as c:  # and the daemon serves on
+        no_grpc_fetch(c)
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 3)), states[2])
+
+
+def test_a_daemon_without_the_socket_is_fetched_from_over_grpc(daemons, states, tmp_path):
+    d = daemons.start("--bulk-port", "-1")
+    with held(d, states) as c:
+        assert c.bulk
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 3)), states[2])
+        assert not c.bulk  # the daemon said it has none: later fetches go straight to gRPC
+    assert "bulk socket off" in d.log()
+    tls, cert, key, ca = make_tls(tmp_path)
+    t = daemons.start("--tls-cert", str(cert), "--tls-key", str(key))
+    with Client(t.address, TOKEN, tls=tls) as c:
+        assert not c.bulk  # a TLS client never leaves the encrypted channel
+        c.push_and_commit(JOB, 0, 1, 1, codec.encode(states[0], chunk_bytes=CHUNK))
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 1)), states[0])
+        with pytest.raises(ReplicaError) as e:
+            c._call("ticket", lambda: c._rpc["FetchBulk"](pb.FetchRequest(shard=shard(JOB, 0, 1)), **c._kw()))
+        assert e.value.code == "UNIMPLEMENTED"  # and a TLS daemon offers no plaintext socket

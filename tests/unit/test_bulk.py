@@ -1,0 +1,198 @@
+"""The bulk socket's two sides in one process, over real sockets: the server's bounds (a ticket serves once, offers
+expire and give their memory back, too many offers or connections are refused) and the client's checks of what a
+daemon sends (a wrong opening, a claimed size past the message limit, a connection that ends early), each with
+the error it must give, and its fallback to gRPC where the socket cannot be used."""
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import pytest
+
+from ffstate._proto import replica_pb2 as pb
+from ffstate.bulk import client as bulk_client
+from ffstate.bulk import server as bulk_server
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC, TICKET_BYTES
+from ffstate.errors import ReplicaError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class C:  # a chunk as the codec makes them
+    index: int
+    count: int
+    checksum: int
+    payload: memoryview
+
+
+def chunks(n: int = 3, size: int = 100_000) -> list[C]:
+    rng = np.random.default_rng(0)
+    return [C(i, n, 1000 + i, memoryview(rng.integers(0, 256, size if i else 50, dtype=np.uint8))) for i in range(n)]
+
+
+@pytest.fixture
+def server():
+    released: list[int] = []
+    s = bulk_server.BulkServer("127.0.0.1", 0, released.append)
+    s.released = released
+    yield s
+    s.close()
+
+
+def read_all(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        got = []
+        while part := s.recv(1 << 20):
+            got.append(part)
+    return b"".join(got)
+
+
+def test_an_offer_is_served_once_then_its_memory_released(server):
+    sent = chunks()
+    ticket = server.offer(7, sent, reserved=12345)
+    assert len(ticket) == TICKET_BYTES and server.released == []
+    got = read_all(server.port, ticket)
+    assert HELLO.unpack_from(got) == (MAGIC, 7, 3)
+    at = HELLO.size
+    for c in sent:
+        assert FRAME.unpack_from(got, at) == (c.index, c.count, c.checksum, len(c.payload))
+        at += FRAME.size
+        assert got[at : at + len(c.payload)] == bytes(c.payload)
+        at += len(c.payload)
+    assert at == len(got)
+    deadline = time.monotonic() + 10
+    while not server.released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.released == [12345]
+    assert read_all(server.port, ticket) == b""  # once only
+    assert server.released == [12345]
+
+
+def test_offers_expire_are_bounded_and_close_releases_them(server, monkeypatch):
+    monkeypatch.setattr(bulk_server, "TICKET_TTL", 0.05)
+    stale = server.offer(1, chunks(), reserved=10)
+    time.sleep(0.1)
+    assert server.expire() == 1 and server.released == [10]
+    assert read_all(server.port, stale) == b""  # expired: nothing
+    monkeypatch.setattr(bulk_server, "TICKET_TTL", 60.0)
+    monkeypatch.setattr(bulk_server, "MAX_OFFERS", 2)
+    server.offer(1, chunks(), reserved=20)
+    server.offer(1, chunks(), reserved=30)
+    with pytest.raises(ReplicaError) as e:
+        server.offer(1, chunks(), reserved=40)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and server.released == [10, 40]  # refused: its memory given back
+    assert server.expire() == 0
+    server.close()
+    assert sorted(server.released) == [10, 20, 30, 40]
+
+
+def test_connections_beyond_the_bound_are_closed_at_once(monkeypatch):
+    monkeypatch.setattr(bulk_server, "MAX_CONNECTIONS", 1)
+    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None)
+    try:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=20):  # holds the one slot, silent
+            time.sleep(0.2)
+            start = time.monotonic()
+            assert read_all(s.port, b"") == b""
+            assert time.monotonic() - start < bulk_server.HELLO_TIMEOUT / 2  # closed, not waited out
+    finally:
+        s.close()
+
+
+# ---------------------------------------------------------------- the client's side
+
+
+class Rejected(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+
+class Caller:
+    """What ``bulk.client.fetch`` uses of an ``ffstate.client.Client``, its FetchBulk answered by ``answer``."""
+
+    def __init__(self, answer, max_message_bytes: int = 1 << 20):
+        self.address, self.timeout, self.max_message_bytes, self.bulk = "127.0.0.1:1", 10.0, max_message_bytes, True
+        self._rpc = {"FetchBulk": lambda req, **kw: answer()}
+
+    def _kw(self):
+        return {}
+
+
+def daemon_sending(data: bytes) -> tuple[int, threading.Thread]:
+    """A listening socket that answers one connection's ticket with ``data``, then closes: a peer misbehaving."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.recv(TICKET_BYTES)
+            conn.sendall(data)
+        lsock.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock.getsockname()[1], t
+
+
+def fetch_from(data: bytes, version: int = 5, count: int = 1, limit: int = 1 << 20) -> list:
+    port, t = daemon_sending(data)
+    got = []
+    caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port, version=version, chunks=count), limit)
+    try:
+        assert bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: got.append((v, c)))
+    finally:
+        t.join(10)
+    return got
+
+
+def test_the_client_reads_frames_and_refuses_what_is_not_them():
+    payload = bytes(range(256)) * 10
+    good = HELLO.pack(MAGIC, 5, 1) + FRAME.pack(0, 1, 99, len(payload)) + payload
+    [(version, chunk)] = fetch_from(good)
+    assert (version, chunk.index, chunk.count, chunk.checksum, bytes(chunk.payload)) == (5, 0, 1, 99, payload)
+    cases = [
+        (HELLO.pack(b"HTTP", 5, 1), "DATA_LOSS", {}),  # not the framing
+        (HELLO.pack(MAGIC, 4, 1), "DATA_LOSS", {}),  # another version than the ticket's
+        (HELLO.pack(MAGIC, 5, 1) + FRAME.pack(0, 1, 99, 1 << 40), "DATA_LOSS", {}),  # past the limit: nothing allocated
+        (b"", "UNAVAILABLE", {}),  # closed: a refused or expired ticket
+        (HELLO.pack(MAGIC, 5, 2) + FRAME.pack(0, 2, 99, 10) + b"x" * 10, "UNAVAILABLE", {"count": 2}),  # ends early
+        (HELLO.pack(MAGIC, 5, 1) + FRAME.pack(0, 1, 99, 1000) + b"x" * 10, "UNAVAILABLE", {}),  # inside a payload
+    ]
+    for data, code, kw in cases:
+        with pytest.raises(ReplicaError) as e:
+            fetch_from(data, **kw)
+        assert e.value.code == code, (data[:20], e.value)
+
+
+def test_the_client_falls_back_where_there_is_no_socket():
+    def unimplemented():
+        raise Rejected(grpc.StatusCode.UNIMPLEMENTED)
+
+    caller = Caller(unimplemented)
+    assert not bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None) and not caller.bulk
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port, version=1, chunks=1))
+    assert not bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None) and not caller.bulk
+
+    def refused():
+        raise Rejected(grpc.StatusCode.NOT_FOUND)
+
+    with pytest.raises(grpc.RpcError):  # the daemon's refusal of the request itself is the caller's to see
+        bulk_client.fetch(Caller(refused), pb.FetchRequest(), lambda v, c: None)
+
+
+def test_host_of_addresses():
+    assert bulk_client.host_of("10.0.0.2:7700") == "10.0.0.2"
+    assert bulk_client.host_of("[::1]:7700") == "::1"
+    assert bulk_client.host_of("node-3.cluster:7701") == "node-3.cluster"
