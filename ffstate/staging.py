@@ -114,7 +114,12 @@ class Stager:
     def close(self) -> None:
         with self._on_device():
             if self.stream is not None:
-                self.stream.synchronize()  # no copy still writing a slot's pages when they are unregistered
+                try:
+                    self.stream.synchronize()  # no copy still writing a slot's pages when they are unregistered
+                except RuntimeError as e:  # a sticky device error: the pages stay registered, the caller's error wins
+                    log.error("closing the staging stream failed (%s): the slots' pages are left registered", e)
+                    self._registered = []
+                    return
             for out in self._registered:
                 err = torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
                 if int(err) != 0:
@@ -125,14 +130,17 @@ class Stager:
 
 def _host_copy(spec: Any, a: Any) -> torch.Tensor:
     """A leaf's bytes copied on the host (a tensor on another device, or not contiguous, comes over by itself)."""
-    b = layout.array_bytes(a) if spec.kind == "ndarray" else layout.leaf_bytes(a)
+    if spec.kind == "ndarray":
+        b = layout.array_bytes(a)
+    else:  # a strided 1-D view (a column) has no byte view of its own: its elements made contiguous first
+        b = layout.leaf_bytes(a if a.is_contiguous() else a.contiguous())
     return b.clone() if b.device.type == "cpu" else b.cpu()
 
 
 def _on(a: Any, device: torch.device) -> bool:
-    """Whether the gather takes the leaf: a contiguous tensor on the staging device (the kernel copies raw bytes,
-    bools included)."""
-    return isinstance(a, torch.Tensor) and a.device == device and a.is_contiguous()
+    """Whether the gather takes the leaf: a contiguous tensor on the staging device with storage of its own (the
+    kernel copies raw bytes, bools included; a wrapper subclass, e.g. a float8 or NF4 weight, has no data pointer)."""
+    return isinstance(a, torch.Tensor) and a.device == device and a.is_contiguous() and a.data_ptr() != 0
 
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the current device's alone

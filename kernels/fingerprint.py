@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ffstate.kernels._launch import block
+from ffstate.kernels._launch import block, device_of
 from ffstate.checksum import K0
 
 _M64 = (1 << 64) - 1
@@ -32,10 +32,11 @@ def fingerprint(buf: torch.Tensor) -> int:
     # 2048 words = 16 KiB per program: one wide load per thread, few enough partials to sum cheaply.
     words = block(2048, 8192)
     grid = max(1, triton.cdiv(triton.cdiv(n, 8), words))
-    partial = torch.empty(grid, dtype=torch.int64, device=buf.device)
-    if n:
-        _fingerprint_kernel[(grid,)](buf, partial, n, WORDS=words)
-    else:
-        partial.zero_()
-    total = int(partial.sum().item()) & _M64
+    with device_of(buf):  # Triton launches on the current device: the buffer's made current (gather.py says why)
+        partial = torch.empty(grid, dtype=torch.int64, device=buf.device)
+        if n:
+            _fingerprint_kernel[(grid,)](buf, partial, n, WORDS=words)
+        else:
+            partial.zero_()
+        total = int(partial.sum().item()) & _M64
     return (total + n * K0) & _M64

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ffstate.kernels._launch import block
+from ffstate.kernels._launch import block, device_of
 
 
 @triton.jit
@@ -70,16 +70,19 @@ def _launch(buf: torch.Tensor, pairs: Sequence[tuple[int, int, int]], to_buffer:
         return
     # 4096 bytes per program: a tensor smaller than that is one program; large ones spread over all SMs.
     bl = block(4096)
-    args = _tables(buf.device, pairs, bl, keep=to_buffer)
-    with _LAUNCH:
-        _copy_tiles_kernel[(args[3].numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
+    # Triton launches on the current device's current stream: the tensors' device made current, or a process that
+    # never called set_device (a model moved to cuda:1) would run the kernel in another device's context.
+    with device_of(buf):
+        args = _tables(buf.device, pairs, bl, keep=to_buffer)
+        with _LAUNCH:
+            _copy_tiles_kernel[(args[3].numel(),)](*args, buf, TO_BUFFER=to_buffer, BLOCK=bl)
 
 
 def _split(buf: torch.Tensor, placed: Sequence[tuple[Any, Any]]):
     """(address, offset, nbytes) for tensors the kernel can move; the rest for a torch copy."""
     fast, slow = [], []
     for spec, t in placed:
-        if isinstance(t, torch.Tensor) and t.device == buf.device and t.is_contiguous():
+        if isinstance(t, torch.Tensor) and t.device == buf.device and t.is_contiguous() and t.data_ptr() != 0:
             fast.append((t.data_ptr(), spec.offset, spec.nbytes))
         else:
             slow.append((spec, t))

@@ -6,6 +6,7 @@ every level verifies against."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,9 @@ import torch
 
 from ffstate import checksum
 from ffstate.config import Config
+
+log = logging.getLogger("ffstate.codec")
+_fingerprint_said = False  # the kernel's failure logged once a process
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -74,8 +78,17 @@ def buffer_checksum(buf: torch.Tensor) -> int:
 def fingerprint(buf: torch.Tensor) -> int:
     """The razor's fingerprint of a uint8 buffer (``ffstate.checksum.fingerprint``), on the buffer's device: the
     Triton kernel for a GPU tensor, no copy to the host."""
+    global _fingerprint_said
     if _use_kernels(buf):
         from ffstate import kernels
 
-        return kernels.fingerprint(buf)
-    return checksum.fingerprint(buf.numpy(), _map)
+        try:
+            return kernels.fingerprint(buf)
+        except Exception as e:  # noqa: BLE001 (Triton missing, or unable to compile: no C compiler, a ptxas too old)
+            if _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto")) == "triton" or not buf.is_cuda:
+                raise
+            if not _fingerprint_said:
+                _fingerprint_said = True
+                log.warning("the fingerprint kernel failed on %s (%s: %s): the razor's fingerprints are taken on the "
+                            "host instead", buf.device, type(e).__name__, (str(e).splitlines() or [""])[0][:200])
+    return checksum.fingerprint(buf.cpu().numpy() if buf.is_cuda else buf.numpy(), _map)

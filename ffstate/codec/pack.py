@@ -214,10 +214,11 @@ def restore_into(snapshot: Snapshot, live: Any) -> Any:
         raise CodecError(f"cannot restore into a state of another layout: {layout.diff_layouts(snapshot.manifest, current)}")
     placed = list(layout.iter_placed(snapshot.manifest, arrays))
     cuda = [(s, a) for s, a in placed if isinstance(a, torch.Tensor) and a.is_cuda]
-    if cuda:
-        from ffstate import kernels
+    if cuda:  # by device: each in windows through the scatter kernel, synchronized before this returns
+        from ffstate import staging
 
-        kernels.scatter(snapshot.buffer, cuda)
+        for device in dict.fromkeys(a.device for _, a in cuda):
+            staging.scatter(snapshot.buffer, [(s, a) for s, a in cuda if a.device == device])
     with torch.no_grad():
         for spec, a in placed:
             if spec.kind == "ndarray":

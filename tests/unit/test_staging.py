@@ -13,7 +13,8 @@ from helpers import assert_bitwise_equal, train_states
 def mixed_state():
     g = torch.Generator().manual_seed(0)
     big = torch.randn(300, 301, generator=g)
-    return {"big": big, "t": big[:, :7].t(), "empty": torch.empty(0, 3), "scalar": torch.tensor(3, dtype=torch.int64),
+    return {"big": big, "t": big[:, :7].t(), "column": big[:, 1], "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(3, dtype=torch.int64),
             "bf16": torch.randn(4097, generator=g).to(torch.bfloat16), "bool": torch.rand(77, generator=g) > 0.5,
             "np": np.arange(10, dtype=np.uint32), "lr": 0.5}
 
@@ -343,3 +344,28 @@ def test_a_state_on_a_gpu_is_restored_onto_it_bit_for_bit():
     got, _ = codec.unpack_verified(packed.manifest, packed.buffer.cpu())  # a slot's bytes, on the host
     assert all(got[k].is_cuda for k, v in state.items() if isinstance(v, torch.Tensor))
     assert_bitwise_equal({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in got.items()}, host)
+
+
+def test_a_tensor_without_storage_of_its_own_is_never_gathered_by_address():
+    """A wrapper subclass (a float8 or NF4 weight) reports data pointer 0: the kernel would read address 0, a
+    sticky device error; it takes the copy of its own instead."""
+    from types import SimpleNamespace
+
+    from ffstate import staging
+    from ffstate.kernels.gather import _split
+
+    class Wrapped(torch.Tensor):
+        @staticmethod
+        def __new__(cls, inner):
+            return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            raise NotImplementedError(func)
+
+    w, plain = Wrapped(torch.zeros(4)), torch.zeros(4)
+    assert w.data_ptr() == 0 and w.is_contiguous()
+    assert not staging._on(w, torch.device("cpu")) and staging._on(plain, torch.device("cpu"))
+    spec = SimpleNamespace(offset=0, nbytes=16)
+    fast, slow = _split(torch.zeros(64, dtype=torch.uint8), [(spec, w), (spec, plain)])
+    assert [t for _, t in slow] == [w] and fast == [(plain.data_ptr(), 0, 16)]
