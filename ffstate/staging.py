@@ -43,6 +43,24 @@ def wanted(state_leaves: list[Any]) -> torch.device | None:
     return max(sizes, key=sizes.get) if sizes else None
 
 
+MARGIN = 0.05  # of the device's memory, kept free beside the training's peak and the staging buffer (fragmentation)
+
+
+def check_room(nbytes: int, free: int, total: int, reserved: int, peak: int) -> None:
+    """Refuses a staging buffer of ``nbytes`` that would not fit beside the training's peak so far: the device's
+    free memory plus what torch's allocator holds (``reserved``), less the most the training has had allocated
+    (``peak``: the next step needs it again) and a margin. Taken at the first commit, after a step has run.
+
+    Raises:
+        RuntimeError: no room (the caller's commits then copy tensor by tensor, from the device to the slot).
+    """
+    room = free + reserved - peak - int(MARGIN * total)
+    if nbytes > room:
+        raise RuntimeError(f"a staging buffer of {nbytes / 1e9:.2f} GB does not fit beside the training's peak of "
+                           f"{peak / 1e9:.2f} GB ({free / 1e9:.2f} GB free, {reserved / 1e9:.2f} GB held by torch, "
+                           f"{total / 1e9:.2f} GB in all, {MARGIN:.0%} kept free)")
+
+
 class Stager:
     """Stages commits of one layout on ``device`` into the slot buffers ``outs`` (registered with CUDA while it
     lives; ``close`` gives them back)."""
@@ -51,6 +69,10 @@ class Stager:
         self.device, self.manifest = torch.device(device), manifest
         self.cuda = self.device.type == "cuda"
         with self._on_device():
+            if self.cuda:  # the training's next step must still fit: refused here, the commits copy tensor by tensor
+                free, total = torch.cuda.mem_get_info(self.device)
+                check_room(manifest.nbytes, free, total, torch.cuda.memory_reserved(self.device),
+                           torch.cuda.max_memory_allocated(self.device))
             self.buf = torch.zeros(manifest.nbytes, dtype=torch.uint8, device=self.device)  # its padding stays zero
             self.stream = torch.cuda.Stream(self.device) if self.cuda else None
             self._registered = [out for out in outs if self.cuda and _register(out)]

@@ -369,3 +369,14 @@ def test_a_tensor_without_storage_of_its_own_is_never_gathered_by_address():
     spec = SimpleNamespace(offset=0, nbytes=16)
     fast, slow = _split(torch.zeros(64, dtype=torch.uint8), [(spec, w), (spec, plain)])
     assert [t for _, t in slow] == [w] and fast == [(plain.data_ptr(), 0, 16)]
+
+
+def test_a_staging_buffer_must_fit_beside_the_training_s_peak():
+    from ffstate.staging import check_room
+
+    gb = 1 << 30
+    check_room(4 * gb, free=10 * gb, total=80 * gb, reserved=60 * gb, peak=60 * gb)  # 10 - 4 (margin) = 6 GB of room
+    with pytest.raises(RuntimeError, match="a staging buffer of 4.29 GB does not fit beside the training's peak of 68.72 GB"):
+        check_room(4 * gb, free=10 * gb, total=80 * gb, reserved=60 * gb, peak=64 * gb + 1)
+    with pytest.raises(RuntimeError):  # what the allocator holds counts only beside the peak it served
+        check_room(1 * gb, free=0, total=80 * gb, reserved=70 * gb, peak=70 * gb)
