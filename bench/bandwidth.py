@@ -3,8 +3,9 @@
 In one run, between two local processes (or, with ``--daemon HOST:PORT``, to that daemon):
 
 - gRPC **push** (the client streams one version's chunks to a daemon, which verifies and stages
-  them) and **fetch** (the daemon streams a full version back) for each chunk size; with a local daemon, the CPU
-  a push costs it and the client (seconds per GB pushed);
+  them) and **fetch** (the daemon streams a full version back), and the same fetch over the daemon's **bulk socket**
+  (a ticket from gRPC, the chunks on a plain TCP connection: what a restore uses), for each chunk size; with a local
+  daemon, the CPU a push costs it and the client (seconds per GB pushed);
 - a **raw TCP** socket moving the same bytes (one ``sendall``, ``recv_into`` a buffer): the ceiling;
 - **gloo** ``send``/``recv`` of a uint8 tensor of the same size between two torch.distributed ranks.
 
@@ -133,7 +134,8 @@ def grpc_sweep(address: str, token: str, nbytes: int, chunks: list[int], repeats
     and this client, seconds per GB pushed (over the warm-up and the repeats)."""
     data = {"w": np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)}
     out = {}
-    with Client(address, token, timeout=120) as c:
+    with Client(address, token, timeout=120) as c, Client(address, token, timeout=120) as g:
+        g.bulk = False  # Fetch over gRPC; ``c`` fetches over the daemon's bulk socket where it has one
         for cs in chunks:
             packed = codec.encode(data, chunk_bytes=cs)
             holder0, client0 = process_cpu(holder_pid) if holder_pid else None, process_cpu(os.getpid())
@@ -141,8 +143,9 @@ def grpc_sweep(address: str, token: str, nbytes: int, chunks: list[int], repeats
             holder1, client1 = process_cpu(holder_pid) if holder_pid else None, process_cpu(os.getpid())
             gb = (repeats + 1) * nbytes / 1e9
             c.commit(JOB, 0, 1, 1)
-            fetch = _timed(lambda: c.fetch_chunks(JOB, 0, 1, 1), repeats)
-            out[cs] = {"push": push, "fetch": fetch, "wire_bytes": packed.nbytes,
+            fetch = _timed(lambda: g.fetch_chunks(JOB, 0, 1, 1), repeats)
+            bulk = _timed(lambda: c.fetch_chunks(JOB, 0, 1, 1), repeats) if c.bulk else None
+            out[cs] = {"push": push, "fetch": fetch, "bulk": bulk if c.bulk else None, "wire_bytes": packed.nbytes,
                        "holder_cpu": (holder1 - holder0) / gb if holder0 is not None and holder1 is not None else None,
                        "client_cpu": (client1 - client0) / gb if client0 is not None and client1 is not None else None}
             progress()
@@ -179,6 +182,7 @@ def run(nbytes: int, chunks: list[int], repeats: int, daemon: str | None, out_di
         "config": {"nbytes": nbytes, "repeats": repeats, "daemon": daemon if proc is None else "local subprocess"},
         "grpc": {str(cs): {"push_GBps": gbps(v["push"]), "fetch_GBps": gbps(v["fetch"]), "wire_bytes": v["wire_bytes"],
                            "push_seconds": v["push"], "fetch_seconds": v["fetch"],
+                           "bulk_fetch_GBps": gbps(v["bulk"]) if v["bulk"] else None, "bulk_fetch_seconds": v["bulk"],
                            "push_holder_cpu_s_per_GB": v["holder_cpu"], "push_client_cpu_s_per_GB": v["client_cpu"]}
                  for cs, v in sweep.items()},
     }
@@ -196,9 +200,12 @@ def report(result: dict) -> str:
     rows = []
     cpu = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for cs, v in result["grpc"].items():
-        for what in ("push", "fetch"):
-            g = v[f"{what}_GBps"]
-            rows.append([f"gRPC {what}", f"{int(cs) >> 10} KiB", f"{g:.3f}", f"{g / tcp:.2f}" if tcp else "-",
+        for what in ("push", "fetch", "bulk_fetch"):
+            g = v.get(f"{what}_GBps")
+            if g is None:  # a daemon without the bulk socket
+                continue
+            name = "bulk socket fetch" if what == "bulk_fetch" else f"gRPC {what}"
+            rows.append([name, f"{int(cs) >> 10} KiB", f"{g:.3f}", f"{g / tcp:.2f}" if tcp else "-",
                          *((cpu(v.get("push_holder_cpu_s_per_GB")), cpu(v.get("push_client_cpu_s_per_GB")))
                            if what == "push" else ("-", "-"))])
     if tcp:
@@ -219,9 +226,10 @@ def plot(result: dict, path: Path) -> Path | None:
         return None
     sizes = [int(cs) for cs in result["grpc"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    for what in ("push", "fetch"):
-        ax.plot([s >> 10 for s in sizes], [result["grpc"][str(s)][f"{what}_GBps"] for s in sizes], "o-",
-                label=f"gRPC {what}")
+    for what in ("push", "fetch", "bulk_fetch"):
+        ys = [result["grpc"][str(s)].get(f"{what}_GBps") for s in sizes]
+        if None not in ys:
+            ax.plot([s >> 10 for s in sizes], ys, "o-", label="bulk socket fetch" if what == "bulk_fetch" else f"gRPC {what}")
     if "raw_tcp" in result:
         ax.axhline(result["raw_tcp"]["GBps"], color="k", ls="--", label="raw TCP")
         ax.axhline(result["gloo"]["GBps"], color="grey", ls=":", label="gloo send/recv")
