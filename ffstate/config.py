@@ -191,6 +191,7 @@ class Config:
         check_persist(self)
         priority(self.daemon_nice, "daemon_nice")
         cpu_list(self.daemon_cpus, "daemon_cpus")
+        check_bulk_port(self.bulk_port, "bulk_port (FFSTATE_BULK_PORT)")
         if self.resize_rng not in RESIZE_RNG:
             raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
         if not 0 < self.drain_hold < math.inf:
@@ -309,6 +310,12 @@ def cpu_list(value: str, what: str = "cpus") -> frozenset[int]:
     return frozenset(cpus)
 
 
+def check_bulk_port(port: int, what: str) -> None:
+    """A bulk socket's port: a TCP port, 0 (one the kernel picks) or -1 (none)."""
+    if not -1 <= port <= 65535:
+        raise ValueError(f"{what} takes a TCP port, 0 (one the kernel picks) or -1 (none); got {port}")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """A node daemon's configuration: ``ffstate serve --<field>`` for each field (``--peer`` for ``peers``);
@@ -370,6 +377,7 @@ class DaemonConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key (--tls-cert, --tls-key) go together")
         cpu_list(self.cpus, "cpus (--cpus)")
+        check_bulk_port(self.bulk_port, "bulk_port (--bulk-port)")
         if self.tls_client_ca and not self.tls_cert:  # it would serve plaintext, asking no client for anything
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key: mutual TLS is TLS first")
         object.__setattr__(self, "peers", tuple(self.peers))

@@ -34,7 +34,7 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
 
     cfg = Config(replicas=1, max_lag=6, daemon_memory_limit="1.5G", daemon_idle_exit=42.0, scheduler="naive",
                  link_share=0.25, link_bandwidth="25M", metrics_port=9100, base_port=7800, persist_dir=str(tmp_path),
-                 persist_nice="7", daemon_nice="19", daemon_cpus="60-63")
+                 persist_nice="7", daemon_nice="19", daemon_cpus="60-63", bulk_port=7900)
     want = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)
     args = build_parser().parse_args(["serve", *want.to_args()])
     got = DaemonConfig.from_args(args, token=want.token)
@@ -42,9 +42,15 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
         7801, "node1", 7, 3 << 29, 25 << 20, 9101)  # keep_deltas: max_lag + 1
     assert (got.persist_dir, got.persist_nice, got.nice, got.cpus) == (tmp_path, 7, 19, "60-63")
+    assert got.bulk_port == 7901  # node n's daemon: bulk_port + n; 0 (the kernel's pick) and -1 (off) pass as they are
+    assert [daemon_config(Config(bulk_port=p), 1, "n1", "h:1", tmp_path).bulk_port for p in (0, -1)] == [0, -1]
     assert "--token" not in " ".join(want.to_args())
     with pytest.raises(ValueError, match="go together"):
         DaemonConfig(tls_cert=tmp_path / "cert.pem")
+    with pytest.raises(ValueError, match=r"bulk_port \(--bulk-port\) takes a TCP port, 0 .* or -1 \(none\); got -2"):
+        DaemonConfig(bulk_port=-2)
+    with pytest.raises(ValueError, match="FFSTATE_BULK_PORT"):
+        Config(bulk_port=70000)
 
 
 
