@@ -92,9 +92,8 @@ class Config:
         link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
             known; "" measures it from the first push and follows it.
         metrics_port: Prometheus metrics of node n's started daemon on ``metrics_port + n``; 0: off.
-        bulk_port: the port of node n's started daemon's bulk socket, which carries restores' chunks without
-            gRPC's framing (``bulk_port + n``; 0: one the kernel picks; -1: none, every fetch over gRPC). A
-            caller that cannot reach it fetches over gRPC; pin it where a firewall must let it through.
+        bulk_port: node n's started daemon's bulk socket (restores' chunks beside gRPC) on ``bulk_port + n``; 0: a
+            port the kernel picks; -1: none. Where it cannot be reached fetches go over gRPC: pin it behind a firewall.
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.
@@ -132,8 +131,7 @@ class Config:
             surviving ranks stay in their processes (``ffstate.inprocess``): a rank that dies is taken over by a
             spare of its node, restored from the node's slots.
         spare_nodes: whole nodes of spare processes launched after the training's nodes (``ffstate.inprocess``): a
-            node that lost more ranks than it has spares (a node lost) moves to one of them, restored from the
-            replicas.
+            node that lost more ranks than it has spares (a node lost) moves to one, restored from the replicas.
         min_nodes: the fewest training nodes an ``ffstate.inprocess`` job may shrink to: a node that lost a rank
             with no spare left for it and no spare node free leaves the job, and the rest go on at the smaller
             world size from the copies (the resize of docs/elastic.md), like ``torchrun --nnodes MIN:MAX``. 0: never
@@ -258,10 +256,6 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def _host_name() -> str:
-    return socket.gethostname().split(".")[0] or "node"
-
-
 def check_hang(cfg: "Config | DaemonConfig") -> None:
     """The watchdog's knobs, refused at once when they cannot work."""
     if cfg.hang_action not in HANG_ACTIONS:
@@ -323,7 +317,7 @@ class DaemonConfig:
 
     host: str = ""  # "": this node's address on the training's network, found as the workers find it
     port: int = 7700  # Config.base_port: where the workers look for their node's daemon; 0: any free port
-    node_id: str = field(default_factory=_host_name)
+    node_id: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")  # the host name
     peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
     memory_limit: int = 0  # bytes; 0: a quarter of the host's RAM
     token: str = field(default="", metadata={"flag": None}, repr=False)

@@ -37,6 +37,7 @@ class _Offer:
     version: int
     chunks: Sequence  # codec.Chunk: index, count, checksum, payload
     reserved: int  # bytes of the daemon's budget to release once served or expired
+    what: str  # whose chunks, for the log
 
 
 class BulkServer:
@@ -64,8 +65,9 @@ class BulkServer:
         self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
         self._thread.start()
 
-    def offer(self, version: int, chunks: Sequence, reserved: int) -> bytes:
-        """A ticket for ``chunks``; the offer owns ``reserved`` from here on (released when served or expired).
+    def offer(self, version: int, chunks: Sequence, reserved: int, what: str = "") -> bytes:
+        """A ticket for ``chunks`` (of ``what``, a shard's name for the log); the offer owns ``reserved`` from here on
+        (released when served or expired).
 
         Raises:
             ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait (``reserved`` is released first).
@@ -74,7 +76,7 @@ class BulkServer:
         with self._lock:
             full = len(self._offers) >= MAX_OFFERS or self._closed
             if not full:
-                self._offers[ticket] = _Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved)
+                self._offers[ticket] = _Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved, what)
         if full:
             self._release(reserved)
             raise ReplicaError(f"{MAX_OFFERS} bulk fetches wait for their connections here; retry, or use Fetch",
@@ -137,10 +139,14 @@ class BulkServer:
                 return
             conn.settimeout(SEND_TIMEOUT)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            start = time.perf_counter()
             send_parts(conn, [HELLO.pack(MAGIC, offer.version, len(offer.chunks))])
             for c in offer.chunks:
                 send_parts(conn, [FRAME.pack(c.index, c.count, c.checksum, len(c.payload)), c.payload])
                 self._touch()
+            log.info("served version %d of %s to %s over the bulk socket: %d chunk(s), %.1f MB in %.3fs", offer.version,
+                     offer.what or "a shard", peer[0], len(offer.chunks),
+                     sum(len(c.payload) for c in offer.chunks) / 1e6, time.perf_counter() - start)
         except OSError as e:  # the caller went away or stalled: it fetches again, from here or elsewhere
             log.warning("bulk fetch to %s cut short: %s", peer[0], e)
         finally:

@@ -234,6 +234,7 @@ class Servicer:
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         version, chunks, reserved = self._guard("Fetch", context, lambda: self._fetched(request))
+        start = time.perf_counter()
         try:
             for c in chunks:
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
@@ -242,6 +243,8 @@ class Servicer:
                 self.node.touch()
         finally:
             self.node.release(reserved)
+        log.info("served version %d of %s to %s over gRPC: %d chunk(s), %.1f MB in %.3fs", version, _key(request.shard),
+                 context.peer(), len(chunks), sum(len(c.payload) for c in chunks) / 1e6, time.perf_counter() - start)
 
     def FetchBulk(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.BulkTicket:
         """Fetch's chunks offered on the bulk socket (``ffstate/bulk/``): the answer's ticket claims them there."""
@@ -249,7 +252,7 @@ class Servicer:
             if self.bulk is None:
                 raise ReplicaError("this daemon has no bulk socket (TLS, or --bulk-port -1): use Fetch", "UNIMPLEMENTED")
             version, chunks, reserved = self._fetched(request)
-            ticket = self.bulk.offer(version, chunks, reserved)  # it owns the reservation from here
+            ticket = self.bulk.offer(version, chunks, reserved, str(_key(request.shard)))  # it owns the reservation
             return pb.BulkTicket(ticket=ticket, port=self.bulk.port, version=version, chunks=len(chunks))
 
         return self._guard("FetchBulk", context, offer)

@@ -58,6 +58,8 @@ def test_node_lost_across_a_200mbit_link_resumes_bit_exact(tmp_path):
     assert all(e["steps_lost"] <= Config().max_lag for e in restored)  # within the replication lag
     lost = [e for e in restored if e["rank"] in (2, 3)]  # node 1's ranks: over the link, from node 0's daemon
     assert len(lost) == 2 and all(link.addresses[0] in e["source"] for e in lost)
+    served = "".join(p.read_text(errors="replace") for p in (tmp_path / f"ffstate-{job}").glob("daemon-*.log"))
+    assert "over the bulk socket" in served and "over gRPC" not in served  # the chunks crossed on the bulk socket
     print("restores:", [(e["rank"], e["version"], e["steps_lost"], e["source"]) for e in restored])
     token = (tmp_path / f"ffstate-{job}" / "token")
     assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 32  # agreed through the store
