@@ -160,9 +160,11 @@ def _host_copy(spec: Any, a: Any) -> torch.Tensor:
 
 
 def _on(a: Any, device: torch.device) -> bool:
-    """Whether the gather takes the leaf: a contiguous tensor on the staging device with storage of its own (the
-    kernel copies raw bytes, bools included; a wrapper subclass, e.g. a float8 or NF4 weight, has no data pointer)."""
-    return isinstance(a, torch.Tensor) and a.device == device and a.is_contiguous() and a.data_ptr() != 0
+    """Whether the gather takes the leaf: a tensor on the staging device with storage of its own (the kernel copies
+    a contiguous one's raw bytes, bools included, and a copy on the device places a strided one, both on the
+    training's stream: no host synchronisation; a wrapper subclass, e.g. a float8 or NF4 weight, has no data pointer
+    and comes over by itself)."""
+    return isinstance(a, torch.Tensor) and a.device == device and a.data_ptr() != 0
 
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not the current device's alone

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
@@ -39,13 +40,17 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
     fetches go straight to gRPC).
 
     Raises:
-        grpc.RpcError: the daemon refused the request (as ``Fetch`` would have).
+        grpc.RpcError: the daemon refused the request (as ``Fetch`` would have; RESOURCE_EXHAUSTED returns False:
+            ``Fetch`` gets its chance, and its own answer).
         ReplicaError: UNAVAILABLE, the connection failed or broke off after the ticket was sent (some chunks may
             have been delivered); DATA_LOSS, the daemon sent something that is not the framing.
     """
-    try:
-        offer = client._rpc["FetchBulk"](req, **client._kw())
+    deadline = time.monotonic() + client.timeout * 10  # the whole fetch's, as gRPC's Fetch has
+    try:  # the daemon reserves and encodes the chunks before it answers, as it does before Fetch's first
+        offer = client._rpc["FetchBulk"](req, **client._kw(client.timeout * 10))
     except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its offers all taken, or no memory for this one:
+            return False  # this fetch over gRPC (which refuses it in turn where the memory is what is missing)
         if e.code() != grpc.StatusCode.UNIMPLEMENTED:
             raise
         client.bulk = False  # TLS, --bulk-port -1, or an ffstate before the bulk socket
@@ -65,7 +70,7 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
         try:
             sock.settimeout(client.timeout)
             sock.sendall(offer.ticket)
-            hello = recv_exactly(sock, HELLO.size)
+            hello = recv_exactly(sock, HELLO.size, deadline, client.timeout)
             if len(hello) < HELLO.size:
                 raise ReplicaError(f"{what}: the daemon closed the connection before any chunk (ticket refused or "
                                    "expired)", "UNAVAILABLE")
@@ -74,7 +79,7 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
                 raise ReplicaError(f"{what}: the connection opened with {magic!r}, version {version}, {count} chunks; "
                                    f"expected {MAGIC!r}, {offer.version}, {offer.chunks}", "DATA_LOSS")
             for _ in range(count):
-                head = recv_exactly(sock, FRAME.size)
+                head = recv_exactly(sock, FRAME.size, deadline, client.timeout)
                 if len(head) < FRAME.size:
                     raise ReplicaError(f"{what}: the connection ended inside the chunks", "UNAVAILABLE")
                 index, total, checksum, nbytes = FRAME.unpack(head)
@@ -82,7 +87,7 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
                     raise ReplicaError(f"{what}: chunk {index} claims {nbytes} bytes, more than the "
                                        f"{client.max_message_bytes} a message may carry", "DATA_LOSS")
                 payload = np.empty(nbytes, dtype=np.uint8)  # unfilled: what is not sent is not touched
-                if recv_into(sock, memoryview(payload)) < nbytes:
+                if recv_into(sock, memoryview(payload), deadline, client.timeout) < nbytes:
                     raise ReplicaError(f"{what}: the connection ended inside chunk {index}", "UNAVAILABLE")
                 deliver(version, Chunk(index, total, checksum, memoryview(payload)))
         except OSError as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 TICKET_BYTES = 32
 MAGIC = b"FFB1"
@@ -16,10 +17,24 @@ HELLO = struct.Struct("<4sQI")  # magic, version, chunks on this connection
 FRAME = struct.Struct("<IIQQ")  # chunk index, chunk count, checksum, payload bytes
 
 
-def recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
-    """``nbytes`` from ``sock`` (small reads: a ticket, a header); fewer only where the peer closed first."""
+def _before(sock: socket.socket, deadline: float | None, per_read: float | None) -> None:
+    """The socket's timeout for its next read: ``per_read``, cut to what is left until ``deadline`` (monotonic)."""
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the deadline passed")
+    sock.settimeout(left if per_read is None else min(per_read, left))
+
+
+def recv_exactly(sock: socket.socket, nbytes: int, deadline: float | None = None, per_read: float | None = None
+                 ) -> bytes:
+    """``nbytes`` from ``sock`` (small reads: a ticket, a header); fewer only where the peer closed first. With
+    ``deadline`` (monotonic), all of it by then (a peer that sends a byte at a time cannot stretch it), each read
+    waiting at most ``per_read``; TimeoutError (an OSError) past either."""
     parts, got = [], 0
     while got < nbytes:
+        _before(sock, deadline, per_read)
         part = sock.recv(nbytes - got)
         if not part:
             break
@@ -28,10 +43,13 @@ def recv_exactly(sock: socket.socket, nbytes: int) -> bytes:
     return b"".join(parts)
 
 
-def recv_into(sock: socket.socket, view: memoryview) -> int:
-    """Fills ``view`` from ``sock``; returns the bytes received (fewer than asked only where the peer closed)."""
+def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None, per_read: float | None = None
+              ) -> int:
+    """Fills ``view`` from ``sock``; returns the bytes received (fewer than asked only where the peer closed).
+    ``deadline`` and ``per_read`` as for ``recv_exactly``."""
     got = 0
     while got < len(view):
+        _before(sock, deadline, per_read)
         n = sock.recv_into(view[got:])
         if not n:
             break

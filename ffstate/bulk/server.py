@@ -2,10 +2,11 @@
 socket that serves each to the one connection that brings its ticket.
 
 Bounds: at most ``MAX_OFFERS`` offers wait at once (each holds its reservation against the daemon's memory budget
-until it is served or ``TICKET_TTL`` passes), at most ``MAX_CONNECTIONS`` connections are served at once (more are
-closed at once), and a connection has ``HELLO_TIMEOUT`` seconds to send its ticket; a receiver that stops reading
-is cut off after ``SEND_TIMEOUT`` seconds without progress. A wrong or expired ticket closes the connection
-without a byte sent.
+until it is served or ``TICKET_TTL`` passes), at most ``MAX_CONNECTIONS`` connections are served at once (one more
+waits in the listen queue up to ``HELLO_TIMEOUT`` for a place, then is closed), and a connection has
+``HELLO_TIMEOUT`` seconds in all to send its ticket; a receiver that stops reading is cut off after ``SEND_TIMEOUT``
+seconds without progress. A wrong or expired ticket closes the connection without a byte sent. The listening
+socket reuses its address (a daemon restarted on a pinned port binds it again at once).
 """
 
 from __future__ import annotations
@@ -46,20 +47,19 @@ class BulkServer:
 
     def __init__(self, host: str, port: int, release: Callable[[int], None], touch: Callable[[], None] = lambda: None,
                  refused: Callable[[str], None] = lambda status: None):
-        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM,
-                                                               flags=socket.AI_PASSIVE)[0]
-        self._sock = socket.socket(family, kind, proto)
-        try:
-            self._sock.bind(address)
-            self._sock.listen(64)
-        except OSError:
-            self._sock.close()
-            raise
+        host = host.strip("[]")
+        if not host and socket.has_dualstack_ipv6():  # every address, as gRPC's ":port" listens: IPv6 and IPv4
+            self._sock = socket.create_server(("", port), family=socket.AF_INET6, backlog=64, dualstack_ipv6=True)
+        else:
+            family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+            self._sock = socket.create_server(address, family=family, backlog=64)  # SO_REUSEADDR set
         self.port = self._sock.getsockname()[1]
         self._release, self._touch, self._refused = release, touch, refused
         self._offers: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
         self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._live: set[socket.socket] = set()  # connections being served: ``close`` shuts them down
         self._closed = False
         self._logged = (0.0, 0)  # (when a refusal was last logged, how many were not since)
         self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
@@ -101,12 +101,14 @@ class BulkServer:
         with self._lock:
             self._closed = True
             offers, self._offers = list(self._offers.values()), {}
+            live = list(self._live)
         for o in offers:
             self._release(o.reserved)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        for sock in [self._sock, *live]:  # a connection being served fails its next send, and releases its offer
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         self._sock.close()
         self._thread.join(5.0)
 
@@ -121,17 +123,23 @@ class BulkServer:
             if self._closed:
                 conn.close()
                 return
-            if not self._conns.acquire(blocking=False):
+            if not self._conns.acquire(timeout=HELLO_TIMEOUT):  # the others' tickets are due within it
                 conn.close()
                 self._refuse(peer, "RESOURCE_EXHAUSTED", f"{MAX_CONNECTIONS} bulk connections are being served")
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="bulk", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer), name="bulk", daemon=True).start()
+            except RuntimeError as e:  # no thread to be had: this connection goes, the socket serves on
+                conn.close()
+                self._conns.release()
+                self._refuse(peer, "RESOURCE_EXHAUSTED", f"no thread to serve it ({e})")
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         offer = None
+        with self._lock:
+            self._live.add(conn)
         try:
-            conn.settimeout(HELLO_TIMEOUT)
-            ticket = recv_exactly(conn, TICKET_BYTES)
+            ticket = recv_exactly(conn, TICKET_BYTES, deadline=time.monotonic() + HELLO_TIMEOUT)
             with self._lock:
                 offer = self._offers.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
             if offer is None:
@@ -147,11 +155,16 @@ class BulkServer:
             log.info("served version %d of %s to %s over the bulk socket: %d chunk(s), %.1f MB in %.3fs", offer.version,
                      offer.what or "a shard", peer[0], len(offer.chunks),
                      sum(len(c.payload) for c in offer.chunks) / 1e6, time.perf_counter() - start)
-        except OSError as e:  # the caller went away or stalled: it fetches again, from here or elsewhere
-            log.warning("bulk fetch to %s cut short: %s", peer[0], e)
+        except OSError as e:
+            if offer is None:  # no ticket within its time, or the connection reset before one: a stranger's
+                self._refuse(peer, "UNAUTHENTICATED", f"no ticket ({e or type(e).__name__})")
+            else:  # the caller went away or stalled: it fetches again, from here or elsewhere
+                log.warning("bulk fetch of %s to %s cut short: %s", offer.what or "a shard", peer[0], e)
         finally:
             if offer is not None:
                 self._release(offer.reserved)
+            with self._lock:
+                self._live.discard(conn)
             conn.close()
             self._conns.release()
 

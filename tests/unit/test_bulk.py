@@ -4,6 +4,7 @@ daemon sends (a wrong opening, a claimed size past the message limit, a connecti
 the error it must give, and its fallback to gRPC where the socket cannot be used."""
 
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -92,17 +93,73 @@ def test_offers_expire_are_bounded_and_close_releases_them(server, monkeypatch):
     assert sorted(server.released) == [10, 20, 30, 40]
 
 
-def test_connections_beyond_the_bound_are_closed_at_once(monkeypatch):
+def test_a_connection_has_its_ticket_time_in_all_and_one_waiting_gets_the_place(monkeypatch):
+    """One place, taken by a stranger who sends a byte every 0.2 s: it is cut off when its ticket time is up (not
+    a read's timeout at a time), and the caller queued behind it is served then."""
     monkeypatch.setattr(bulk_server, "MAX_CONNECTIONS", 1)
-    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None)
+    monkeypatch.setattr(bulk_server, "HELLO_TIMEOUT", 1.0)
+    refused: list[str] = []
+    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None, refused=refused.append)
     try:
-        with socket.create_connection(("127.0.0.1", s.port), timeout=20):  # holds the one slot, silent
-            time.sleep(0.2)
-            start = time.monotonic()
-            assert read_all(s.port, b"") == b""
-            assert time.monotonic() - start < bulk_server.HELLO_TIMEOUT / 2  # closed, not waited out
+        ticket = s.offer(3, chunks(1), reserved=1)
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=20) as stranger:
+            def trickle():
+                try:
+                    for _ in range(40):
+                        stranger.send(b"x")
+                        time.sleep(0.2)
+                except OSError:
+                    pass
+            threading.Thread(target=trickle, daemon=True).start()
+            time.sleep(0.1)
+            got = read_all(s.port, ticket)  # queued behind the stranger
+            served = time.monotonic() - start
+            assert HELLO.unpack_from(got) == (MAGIC, 3, 1)
+            assert 0.9 < served < 3.0, served  # once the stranger's second is up
+            assert stranger.recv(1) == b""  # and the stranger was cut off
+        assert refused == ["UNAUTHENTICATED"]
     finally:
         s.close()
+
+
+def test_strangers_are_counted_logged_at_most_once_a_second_and_close_cuts_off_a_stalled_receiver(caplog):
+    refused: list[str] = []
+    released: list[int] = []
+    s = bulk_server.BulkServer("127.0.0.1", 0, released.append, refused=refused.append)
+    try:
+        for _ in range(5):  # reset before any ticket
+            c = socket.create_connection(("127.0.0.1", s.port), timeout=20)
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.close()
+        deadline = time.monotonic() + 10
+        while len(refused) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert refused == ["UNAUTHENTICATED"] * 5
+        assert len([r for r in caplog.records if "refused a bulk connection" in r.getMessage()]) <= 2
+        big = [C(i, 64, i, memoryview(np.zeros(1 << 20, dtype=np.uint8))) for i in range(64)]  # 64 MiB
+        ticket = s.offer(1, big, reserved=77)
+        with socket.create_connection(("127.0.0.1", s.port), timeout=20) as slow:
+            slow.sendall(ticket)
+            assert len(slow.recv(HELLO.size)) > 0  # then reads no more: the sender fills the socket and waits
+            time.sleep(0.5)
+            assert released == []
+            s.close()  # shuts the connection down under it
+            deadline = time.monotonic() + 10
+            while not released and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert released == [77]
+    finally:
+        s.close()
+
+
+def test_a_pinned_port_is_bound_again_at_once_after_it_served():
+    first = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None)
+    port = first.port
+    assert len(read_all(port, first.offer(1, chunks(), reserved=1))) > 0  # the daemon closes first: TIME_WAIT here
+    first.close()
+    again = bulk_server.BulkServer("127.0.0.1", port, lambda n: None)  # a daemon restarted on --bulk-port
+    again.close()
 
 
 # ---------------------------------------------------------------- the client's side
@@ -123,7 +180,7 @@ class Caller:
         self.address, self.timeout, self.max_message_bytes, self.bulk = "127.0.0.1:1", 10.0, max_message_bytes, True
         self._rpc = {"FetchBulk": lambda req, **kw: answer()}
 
-    def _kw(self):
+    def _kw(self, timeout=None):
         return {}
 
 
@@ -185,6 +242,12 @@ def test_the_client_falls_back_where_there_is_no_socket():
     caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port, version=1, chunks=1))
     assert not bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None) and not caller.bulk
 
+    def full():
+        raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    caller = Caller(full)  # its offers all taken: this fetch over gRPC, the socket kept for the next
+    assert not bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None) and caller.bulk
+
     def refused():
         raise Rejected(grpc.StatusCode.NOT_FOUND)
 
@@ -196,3 +259,29 @@ def test_host_of_addresses():
     assert bulk_client.host_of("10.0.0.2:7700") == "10.0.0.2"
     assert bulk_client.host_of("[::1]:7700") == "::1"
     assert bulk_client.host_of("node-3.cluster:7701") == "node-3.cluster"
+
+
+def test_a_daemon_that_trickles_meets_the_whole_fetch_s_deadline():
+    """A byte every 0.1 s never trips a read's timeout (0.2 s here); the fetch's deadline (ten times it) ends it."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = lsock.accept()
+        with conn:
+            conn.recv(TICKET_BYTES)
+            conn.sendall(HELLO.pack(MAGIC, 5, 1) + FRAME.pack(0, 1, 99, 1000))
+            try:
+                for _ in range(100):
+                    conn.sendall(b"x")
+                    time.sleep(0.1)
+            except OSError:
+                pass
+        lsock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=lsock.getsockname()[1], version=5, chunks=1))
+    caller.timeout = 0.2
+    start = time.monotonic()
+    with pytest.raises(ReplicaError) as e:
+        bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None)
+    assert e.value.code == "UNAVAILABLE" and time.monotonic() - start < 5
