@@ -151,7 +151,8 @@ class Stager:
 
 
 def _host_copy(spec: Any, a: Any) -> torch.Tensor:
-    """A leaf's bytes copied on the host (a tensor on another device, or not contiguous, comes over by itself)."""
+    """A leaf's bytes copied on the host: a value of the host's, a tensor on another device or one without storage
+    of its own (each comes over by itself, strided ones made contiguous)."""
     if spec.kind == "ndarray":
         b = layout.array_bytes(a)
     else:  # a strided 1-D view (a column) has no byte view of its own: its elements made contiguous first

@@ -380,3 +380,15 @@ def test_a_staging_buffer_must_fit_beside_the_training_s_peak():
         check_room(4 * gb, free=10 * gb, total=80 * gb, reserved=60 * gb, peak=64 * gb + 1)
     with pytest.raises(RuntimeError):  # what the allocator holds counts only beside the peak it served
         check_room(1 * gb, free=0, total=80 * gb, reserved=70 * gb, peak=70 * gb)
+
+
+def test_a_strided_leaf_off_the_staging_device_comes_over_as_its_elements():
+    """Staging on a GPU, a CPU tensor's bytes are copied aside: a column of a matrix (a 1-D view with stride 301)
+    has no byte view of its own and raised."""
+    from types import SimpleNamespace
+
+    from ffstate.staging import _host_copy
+
+    big = torch.randn(300, 301)
+    got = _host_copy(SimpleNamespace(kind="tensor"), big[:, 1])
+    assert torch.equal(got, big[:, 1].contiguous().view(torch.uint8))
