@@ -44,6 +44,16 @@ def server():
     s.close()
 
 
+def trickle(sock: socket.socket, times: int, every: float) -> None:
+    """A byte every ``every`` seconds, ``times`` times, until the peer is gone."""
+    try:
+        for _ in range(times):
+            sock.sendall(b"x")
+            time.sleep(every)
+    except OSError:
+        pass
+
+
 def read_all(port: int, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
         s.sendall(data)
@@ -104,14 +114,7 @@ def test_a_connection_has_its_ticket_time_in_all_and_one_waiting_gets_the_place(
         ticket = s.offer(3, chunks(1), reserved=1)
         start = time.monotonic()
         with socket.create_connection(("127.0.0.1", s.port), timeout=20) as stranger:
-            def trickle():
-                try:
-                    for _ in range(40):
-                        stranger.send(b"x")
-                        time.sleep(0.2)
-                except OSError:
-                    pass
-            threading.Thread(target=trickle, daemon=True).start()
+            threading.Thread(target=trickle, args=(stranger, 40, 0.2), daemon=True).start()
             time.sleep(0.1)
             got = read_all(s.port, ticket)  # queued behind the stranger
             served = time.monotonic() - start
@@ -270,12 +273,7 @@ def test_a_daemon_that_trickles_meets_the_whole_fetch_s_deadline():
         with conn:
             conn.recv(TICKET_BYTES)
             conn.sendall(HELLO.pack(MAGIC, 5, 1) + FRAME.pack(0, 1, 99, 1000))
-            try:
-                for _ in range(100):
-                    conn.sendall(b"x")
-                    time.sleep(0.1)
-            except OSError:
-                pass
+            trickle(conn, 100, 0.1)
         lsock.close()
 
     threading.Thread(target=serve, daemon=True).start()
