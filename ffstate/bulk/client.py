@@ -35,9 +35,8 @@ def host_of(address: str) -> str:
 
 def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], None]) -> bool:
     """Fetches ``req``'s chunks over the bulk socket of ``client``'s daemon (an ``ffstate.client.Client``) into
-    ``deliver(version, chunk)``; False, having
-    delivered nothing, where the daemon has none or it cannot be reached (``client.bulk`` is then False: later
-    fetches go straight to gRPC).
+    ``deliver(version, chunk)``; False, having delivered nothing, where the daemon has none or it cannot be reached
+    (``client.bulk`` is then False: later fetches go straight to gRPC) or has no room for the offer now.
 
     Raises:
         grpc.RpcError: the daemon refused the request (as ``Fetch`` would have; RESOURCE_EXHAUSTED returns False:
