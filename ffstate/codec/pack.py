@@ -213,7 +213,7 @@ def restore_into(snapshot: Snapshot, live: Any) -> Any:
     if current.layout_id != snapshot.manifest.layout_id:
         raise CodecError(f"cannot restore into a state of another layout: {layout.diff_layouts(snapshot.manifest, current)}")
     placed = list(layout.iter_placed(snapshot.manifest, arrays))
-    cuda = [(s, a) for s, a in placed if isinstance(a, torch.Tensor) and a.is_cuda]
+    cuda = [(s, a) for s, a in placed if isinstance(a, torch.Tensor) and a.is_cuda and a.is_contiguous()]
     if cuda:  # by device: each in windows through the scatter kernel, synchronized before this returns
         from ffstate import staging
 
@@ -225,6 +225,6 @@ def restore_into(snapshot: Snapshot, live: Any) -> Any:
                 a[...] = np.frombuffer(
                     snapshot.buffer[spec.offset : spec.offset + spec.nbytes].numpy(), dtype=np.dtype(spec.np_dtype)
                 ).reshape(spec.shape)
-            elif not a.is_cuda:
+            elif not a.is_cuda or not a.is_contiguous():  # a strided device tensor: its own copy
                 layout.copy_bits(a, layout.tensor_view(snapshot.buffer, spec))
     return layout.unflatten(snapshot.manifest, arrays)
