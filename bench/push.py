@@ -1,6 +1,7 @@
 """Push benchmark: what one replicated version costs the holder and its sender, streamed (``Push``, a chunk a
-message) and in one call (``PushVersion``, which a client uses for a version no larger than one of its chunks and
-at most 2 MiB: ``Client.in_one_call``), side by side.
+message), in one call (``PushVersion``, which a client uses for a version no larger than one of its chunks and
+at most 2 MiB: ``Client.in_one_call``) and over the daemon's bulk socket (``PushBulk``: the chunks on a plain TCP
+connection, which a client uses for what does not go in one call), side by side.
 
 A local daemon holds one rank; this process pushes and commits deltas of a float32 state to it (a version of
 ``--sizes`` bytes, its next step: ``w + 1e-4 * noise``, and a full version every 20), as a sending daemon's
@@ -29,7 +30,7 @@ from ffstate.client import Client
 
 log = logging.getLogger("ffstate.bench.push")
 JOB = "bench-push"
-WAYS = ("stream", "one call")
+WAYS = ("stream", "one call", "bulk socket")
 CYCLE = 20  # a full version every CYCLE pushes, deltas between
 
 
@@ -48,7 +49,7 @@ def pushes(client: Client, packs: list[codec.Packed], first: int, n: int, rank: 
     """Versions first+1 .. first+n of rank ``rank``, pushed and committed; ``first`` is a multiple of CYCLE."""
     for v in range(first + 1, first + n + 1):
         k = (v - 1) % CYCLE
-        client.push_and_commit(JOB, rank, 2, v, packs[k], base_version=0 if k == 0 else v - 1)
+        client.push_and_commit(JOB, rank, len(WAYS), v, packs[k], base_version=0 if k == 0 else v - 1)
 
 
 def run(sizes: list[int], pushes_per_round: int, rounds: int, out_dir: Path) -> dict:
@@ -58,7 +59,9 @@ def run(sizes: list[int], pushes_per_round: int, rounds: int, out_dir: Path) -> 
     results: dict = {}
     try:
         clients = {"stream": Client(address, token, small_push_bytes=0),
-                   "one call": Client(address, token, small_push_bytes=wire.SMALL_PUSH_BYTES)}
+                   "one call": Client(address, token, small_push_bytes=wire.SMALL_PUSH_BYTES),
+                   "bulk socket": Client(address, token, small_push_bytes=0)}
+        clients["stream"].bulk = clients["one call"].bulk = False  # gRPC's two ways; the third the bulk socket
         for size in sizes:
             packs = versions(size)
             per = {way: {"wall": [], "holder": [], "sender": []} for way in WAYS}
@@ -75,7 +78,7 @@ def run(sizes: list[int], pushes_per_round: int, rounds: int, out_dir: Path) -> 
                     per[way]["holder"].append((holder1 - holder0) / n)
                     per[way]["sender"].append((sender1 - sender0) / n)
             for rank in range(len(WAYS)):
-                clients["stream"].drop(JOB, rank, 2)
+                clients["stream"].drop(JOB, rank, len(WAYS))
             results[str(size)] = {
                 "wire_bytes_full": packs[0].nbytes, "wire_bytes_delta": statistics.median(p.nbytes for p in packs[1:]),
                 # what the one-call client did: the deltas in one call each, or streamed as the other way
@@ -103,15 +106,15 @@ def report(result: dict) -> str:
     cfg = result["config"]
     rows = []
     for size, v in result["sizes"].items():
-        s, o = v["ways"]["stream"], v["ways"]["one call"]
+        s = v["ways"]["stream"]
         ones = v["deltas_in_one_call"]
         for way, w in v["ways"].items():
-            note = "" if way == "stream" or ones == CYCLE - 1 else \
+            note = "" if way != "one call" or ones == CYCLE - 1 else \
                 " (streams: larger than a chunk)" if not ones else f" ({ones} of {CYCLE - 1} deltas in one call)"
             rows.append([f"{int(size) / 2**20:.2f}", f"{v['wire_bytes_delta'] / 2**20:.2f}", way + note,
                          f"{_med(w, 'wall'):.2f}", f"{_med(w, 'holder'):.2f}", f"{_med(w, 'sender'):.2f}",
                          "1.00" if way == "stream" else
-                         f"{(_med(o, 'holder') + _med(o, 'sender')) / (_med(s, 'holder') + _med(s, 'sender')):.2f}"])
+                         f"{(_med(w, 'holder') + _med(w, 'sender')) / (_med(s, 'holder') + _med(s, 'sender')):.2f}"])
     head = (f"a version pushed and committed to a local daemon, full every {CYCLE}, deltas between; medians over "
             f"{cfg['rounds']} alternating rounds of {cfg['pushes_per_round']} pushes; milliseconds a push; CPU x "
             "stream: (holder + sender) against streaming")
@@ -125,14 +128,14 @@ def plot(result: dict, path: Path) -> Path | None:
         return None
     sizes = list(result["sizes"])
     fig, ax = plt.subplots(figsize=(7, 4))
-    for way, style in zip(WAYS, ("o-", "s--")):
+    for way, style in zip(WAYS, ("o-", "s--", "^:")):
         for what, color in (("holder", "tab:blue"), ("sender", "tab:orange")):
             ax.plot([int(s) / 2**20 for s in sizes], [_med(result["sizes"][s]["ways"][way], what) for s in sizes],
                     style, color=color, label=f"{what}, {way}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("state MiB a version")
     ax.set_ylabel("CPU ms a push")
-    ax.set_title("a push's CPU: streamed vs in one call")
+    ax.set_title("a push's CPU: streamed, in one call, on the bulk socket")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

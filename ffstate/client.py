@@ -257,6 +257,12 @@ class Client:
                 self._told_older = True
                 self.small_push_bytes, self._one_call_again = 0, time.monotonic() + ONE_CALL_AGAIN
                 before_chunk = None  # paced already, as one
+        if self.bulk:
+            opened = pb.PushOpen(shard=key, version=version, base_version=base_version, chunk_count=len(packed.chunks),
+                                 commit=commit)
+            got = self._call(what, lambda: bulk.push(self, opened, packed.chunks, before_chunk))
+            if got is not None:  # None: no bulk socket there, or no room for the offer: streamed over gRPC
+                return got
         return self._call(what, lambda: self._push(messages(), **self._kw(self.timeout * 10)))
 
     def in_one_call(self, packed: Packed) -> bool:

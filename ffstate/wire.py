@@ -47,6 +47,7 @@ METHODS: dict[str, Method] = {
     "Commit": Method("unary_unary", pb.CommitRequest, pb.CommitResult),
     "Fetch": Method("unary_stream", pb.FetchRequest, pb.FetchChunk, raw_response=True),
     "FetchBulk": Method("unary_unary", pb.FetchRequest, pb.BulkTicket),
+    "PushBulk": Method("unary_unary", pb.PushOpen, pb.BulkTicket),
     "Inventory": Method("unary_unary", pb.InventoryRequest, pb.InventoryResponse),
     "StepBack": Method("unary_unary", pb.StepBackRequest, pb.StepBackResult),
     "Drop": Method("unary_unary", pb.DropRequest, pb.DropResult),

@@ -164,6 +164,20 @@ class FetchChunk(_message.Message):
     payload: bytes
     def __init__(self, version: _Optional[int] = ..., chunk_index: _Optional[int] = ..., chunk_count: _Optional[int] = ..., checksum: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class PushOpen(_message.Message):
+    __slots__ = ("shard", "version", "base_version", "chunk_count", "commit")
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    shard: ShardKey
+    version: int
+    base_version: int
+    chunk_count: int
+    commit: bool
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., chunk_count: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
+
 class BulkTicket(_message.Message):
     __slots__ = ("ticket", "port", "version", "chunks")
     TICKET_FIELD_NUMBER: _ClassVar[int]

@@ -74,6 +74,11 @@ class ReplicaStub:
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
                 response_deserializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
                 _registered_method=True)
+        self.PushBulk = channel.unary_unary(
+                '/ffstate.v1.Replica/PushBulk',
+                request_serializer=ffstate_dot_v1_dot_replica__pb2.PushOpen.SerializeToString,
+                response_deserializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
+                _registered_method=True)
         self.Inventory = channel.unary_unary(
                 '/ffstate.v1.Replica/Inventory',
                 request_serializer=ffstate_dot_v1_dot_replica__pb2.InventoryRequest.SerializeToString,
@@ -165,6 +170,15 @@ class ReplicaServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBulk(self, request, context):
+        """Unary: a Push over the bulk socket. The answer's ticket opens a connection on which the caller sends the
+        version's chunks, framed as FetchBulk's are, and reads the push's result (docs/wire-format.md); the daemon stages
+        and applies them as it does a Push stream's. UNIMPLEMENTED where it has no bulk socket: push with Push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Inventory(self, request, context):
         """What this daemon holds: shards, versions, bytes, budget.
         """
@@ -237,6 +251,11 @@ def add_ReplicaServicer_to_server(servicer, server):
             'FetchBulk': grpc.unary_unary_rpc_method_handler(
                     servicer.FetchBulk,
                     request_deserializer=ffstate_dot_v1_dot_replica__pb2.FetchRequest.FromString,
+                    response_serializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.SerializeToString,
+            ),
+            'PushBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushBulk,
+                    request_deserializer=ffstate_dot_v1_dot_replica__pb2.PushOpen.FromString,
                     response_serializer=ffstate_dot_v1_dot_replica__pb2.BulkTicket.SerializeToString,
             ),
             'Inventory': grpc.unary_unary_rpc_method_handler(
@@ -475,6 +494,33 @@ class Replica:
             target,
             '/ffstate.v1.Replica/FetchBulk',
             ffstate_dot_v1_dot_replica__pb2.FetchRequest.SerializeToString,
+            ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ffstate.v1.Replica/PushBulk',
+            ffstate_dot_v1_dot_replica__pb2.PushOpen.SerializeToString,
             ffstate_dot_v1_dot_replica__pb2.BulkTicket.FromString,
             options,
             channel_credentials,

@@ -9,16 +9,17 @@ memory. What the chunks hold is checked downstream, as for gRPC's ``Fetch`` (eac
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import grpc
 import numpy as np
 
 from ffstate._proto import replica_pb2 as pb
-from ffstate.bulk.frames import FRAME, HELLO, MAGIC, recv_exactly, recv_into
-from ffstate.errors import ReplicaError
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC, MAX_MESSAGE, RESULT, recv_exactly, recv_into, send_parts
+from ffstate.errors import ReplicaError, ReplicaUnavailable
 
 if TYPE_CHECKING:
     from ffstate.codec import Chunk
@@ -33,6 +34,33 @@ def host_of(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
+def _offer(client: Any, method: str, req: Any) -> pb.BulkTicket | None:
+    """The daemon's ticket for ``req`` (``FetchBulk``, ``PushBulk``); None where it has no bulk socket (then
+    ``client.bulk`` is False) or no room for the offer now."""
+    try:
+        return client._rpc[method](req, **client._kw(client.timeout * 10))
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its offers all taken, or no memory for this one:
+            return None  # over gRPC this time (which refuses it in turn where the memory is what is missing)
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        client.bulk = False  # TLS, --bulk-port -1, or an ffstate before the bulk socket
+        return None
+
+
+def _connect(client: Any, offer: pb.BulkTicket) -> socket.socket | None:
+    """A connection to the daemon's bulk socket; None where it cannot be reached (``client.bulk`` is then False)."""
+    try:
+        sock = socket.create_connection((host_of(client.address), offer.port), timeout=CONNECT_TIMEOUT)
+    except OSError as e:
+        log.warning("the bulk socket of %s (port %d) cannot be reached (%s): using gRPC with it from now on "
+                    "(open the port, or pin it with --bulk-port)", client.address, offer.port, e)
+        client.bulk = False
+        return None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], None]) -> bool:
     """Fetches ``req``'s chunks over the bulk socket of ``client``'s daemon (an ``ffstate.client.Client``) into
     ``deliver(version, chunk)``; False, having delivered nothing, where the daemon has none or it cannot be reached
@@ -45,22 +73,11 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
             have been delivered); DATA_LOSS, the daemon sent something that is not the framing.
     """
     deadline = time.monotonic() + client.timeout * 10  # the whole fetch's, as gRPC's Fetch has
-    try:  # the daemon reserves and encodes the chunks before it answers, as it does before Fetch's first
-        offer = client._rpc["FetchBulk"](req, **client._kw(client.timeout * 10))
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its offers all taken, or no memory for this one:
-            return False  # this fetch over gRPC (which refuses it in turn where the memory is what is missing)
-        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-            raise
-        client.bulk = False  # TLS, --bulk-port -1, or an ffstate before the bulk socket
+    offer = _offer(client, "FetchBulk", req)  # the daemon reserves and encodes the chunks before it answers
+    if offer is None:
         return False
-    address = (host_of(client.address), offer.port)
-    try:
-        sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
-    except OSError as e:
-        log.warning("the bulk socket of %s (port %d) cannot be reached (%s): fetching from it over gRPC from now on "
-                    "(open the port, or pin it with --bulk-port)", client.address, offer.port, e)
-        client.bulk = False
+    sock = _connect(client, offer)
+    if sock is None:
         return False
     from ffstate.codec import Chunk
 
@@ -92,3 +109,58 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
         except OSError as e:
             raise ReplicaError(f"{what}: {e}", "UNAVAILABLE") from None
     return True
+
+
+def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable[[int], None] | None
+         ) -> pb.PushResult | None:
+    """Pushes ``chunks`` (every chunk of ``req``'s version, in order) over the bulk socket of ``client``'s daemon,
+    ``before_chunk(nbytes)`` called before each goes out (the scheduler's pacing); the push's result, or None, having
+    sent nothing, where the daemon has none or it cannot be reached (``client.bulk`` is then False) or has no room
+    for the offer now: the caller pushes over gRPC.
+
+    Raises:
+        grpc.RpcError: the daemon refused the push's opening (as ``Push`` would have refused its first chunk).
+        ReplicaError: the daemon refused the version (its status, as ``Push`` answers it).
+        ReplicaUnavailable: the connection failed or broke off once chunks were on their way.
+    """
+    deadline = time.monotonic() + client.timeout * 10  # the whole push's, as gRPC's Push has
+    offer = _offer(client, "PushBulk", req)
+    if offer is None:
+        return None
+    sock = _connect(client, offer)
+    if sock is None:
+        return None
+    what = f"bulk push to {client.address} (port {offer.port})"
+    with sock:
+        try:
+            sock.settimeout(client.timeout)
+            sock.sendall(offer.ticket)
+            try:
+                for c in chunks:  # a daemon that refuses the version answers at once: no more is sent then
+                    if _answered(sock):
+                        break
+                    if before_chunk is not None:
+                        before_chunk(len(c.payload))
+                    if _answered(sock):
+                        break
+                    send_parts(sock, [FRAME.pack(c.index, c.count, c.checksum, len(c.payload)), c.payload])
+            except OSError:  # the daemon stopped reading: its answer may be here already
+                pass
+            head = recv_exactly(sock, RESULT.size, deadline, client.timeout)
+            if len(head) < RESULT.size:
+                raise OSError("the daemon closed the connection before its answer")
+            status, staged, held, checksum, nbytes, length = RESULT.unpack(head)
+            if length > MAX_MESSAGE:
+                raise ReplicaError(f"{what}: an answer of {length} bytes, more than {MAX_MESSAGE}", "DATA_LOSS")
+            message = recv_exactly(sock, length, deadline, client.timeout).decode(errors="replace")
+        except OSError as e:
+            raise ReplicaUnavailable(f"{what}: {e}") from None
+    status = status.rstrip(b"\0").decode(errors="replace")
+    if status != "OK":
+        raise ReplicaError(f"{what}: {status}: {message}", status)
+    return pb.PushResult(staged_version=staged, committed_version=held, checksum=checksum, bytes_received=nbytes)
+
+
+def _answered(sock: socket.socket) -> bool:
+    """Whether the daemon has answered (or closed) before the push's last chunk: a refusal, read next."""
+    return bool(select.select([sock], [], [], 0)[0])

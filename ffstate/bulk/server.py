@@ -39,6 +39,7 @@ class _Offer:
     chunks: Sequence  # codec.Chunk: index, count, checksum, payload
     reserved: int  # bytes of the daemon's budget to release once served or expired
     what: str  # whose chunks, for the log
+    handler: Callable[[socket.socket, tuple], None] | None = None  # a push: it reads the connection and answers
 
 
 class BulkServer:
@@ -72,16 +73,28 @@ class BulkServer:
         Raises:
             ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait (``reserved`` is released first).
         """
+        return self._add(_Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved, what))
+
+    def _add(self, offer: _Offer) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
             full = len(self._offers) >= MAX_OFFERS or self._closed
             if not full:
-                self._offers[ticket] = _Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved, what)
+                self._offers[ticket] = offer
         if full:
-            self._release(reserved)
-            raise ReplicaError(f"{MAX_OFFERS} bulk fetches wait for their connections here; retry, or use Fetch",
+            self._release(offer.reserved)
+            raise ReplicaError(f"{MAX_OFFERS} bulk transfers wait for their connections here; retry, or use gRPC",
                                "RESOURCE_EXHAUSTED")
         return ticket
+
+    def offer_push(self, handler: Callable[[socket.socket, tuple], None], what: str = "") -> bytes:
+        """A ticket for a push: the connection that brings it goes to ``handler(connection, peer)``, which reads the
+        chunks and answers (it holds no reservation: the chunks are reserved as they arrive).
+
+        Raises:
+            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait.
+        """
+        return self._add(_Offer(time.monotonic() + TICKET_TTL, 0, (), 0, what, handler))
 
     def expire(self) -> int:
         """Drops the offers whose connection did not come within ``TICKET_TTL`` (the daemon's loop calls this)."""
@@ -92,7 +105,7 @@ class BulkServer:
         for o in offers:
             self._release(o.reserved)
         if offers:
-            log.warning("%d bulk fetch(es) never connected within %gs: their chunks are released", len(offers),
+            log.warning("%d bulk transfer(s) never connected within %gs: their tickets are dropped", len(offers),
                         TICKET_TTL)
         return len(offers)
 
@@ -145,8 +158,11 @@ class BulkServer:
             if offer is None:
                 self._refuse(peer, "UNAUTHENTICATED", "an unknown or expired ticket")
                 return
-            conn.settimeout(SEND_TIMEOUT)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if offer.handler is not None:  # a push: the handler reads it and answers
+                offer.handler(conn, peer)
+                return
+            conn.settimeout(SEND_TIMEOUT)
             start = time.perf_counter()
             send_parts(conn, [HELLO.pack(MAGIC, offer.version, len(offer.chunks))])
             for c in offer.chunks:
@@ -159,7 +175,7 @@ class BulkServer:
             if offer is None:  # no ticket within its time, or the connection reset before one: a stranger's
                 self._refuse(peer, "UNAUTHENTICATED", f"no ticket ({e or type(e).__name__})")
             else:  # the caller went away or stalled: it fetches again, from here or elsewhere
-                log.warning("bulk fetch of %s to %s cut short: %s", offer.what or "a shard", peer[0], e)
+                log.warning("bulk transfer of %s with %s cut short: %s", offer.what or "a shard", peer[0], e)
         finally:
             if offer is not None:
                 self._release(offer.reserved)

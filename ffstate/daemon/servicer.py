@@ -7,16 +7,20 @@ from __future__ import annotations
 import hmac
 import itertools
 import logging
+import socket
 import threading
 import time
 from concurrent import futures
 from typing import Any, Callable, Iterator
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ffstate import wire
 from ffstate._proto import replica_pb2 as pb
+from ffstate.bulk import frames
+from ffstate.bulk.frames import FRAME, recv_exactly, recv_into
 from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
@@ -102,8 +106,12 @@ class Servicer:
             self._refuse(context, method, status_of(e), str(e))
 
     def _refuse(self, context: grpc.ServicerContext, method: str, code: grpc.StatusCode, message: str) -> None:
-        """Counts the refusal, logs it (one line per method and status a second, with how many were not), and
-        answers with its status and a message of bounded length."""
+        """Counts the refusal, logs it (``_note``), and answers with its status and a message of bounded length."""
+        context.abort(code, self._note(method, code, message))
+
+    def _note(self, method: str, code: grpc.StatusCode, message: str) -> str:
+        """Counts a refusal and logs it (one line per method and status a second, with how many were not); returns
+        its message, bounded."""
         message = message if len(message) <= MAX_DETAIL else message[: MAX_DETAIL - 15] + " ... (truncated)"
         self.node.refused(code.name)
         now = time.monotonic()
@@ -114,7 +122,7 @@ class Servicer:
             self._logged[(method, code.name)] = (now, 0)
         else:
             self._logged[(method, code.name)] = (last, quiet + 1)
-        context.abort(code, message)
+        return message
 
     # ------------------------------------------------------------ local workers
 
@@ -256,6 +264,60 @@ class Servicer:
             return pb.BulkTicket(ticket=ticket, port=self.bulk.port, version=version, chunks=len(chunks))
 
         return self._guard("FetchBulk", context, offer)
+
+    def PushBulk(self, request: pb.PushOpen, context: grpc.ServicerContext) -> pb.BulkTicket:
+        """A push whose chunks come on the bulk socket (``ffstate/bulk/``): the answer's ticket opens it there."""
+        def offer() -> pb.BulkTicket:
+            if self.bulk is None:
+                raise ReplicaError("this daemon has no bulk socket (TLS, or --bulk-port -1): use Push", "UNIMPLEMENTED")
+            key = _key(request.shard)
+            ticket = self.bulk.offer_push(lambda conn, peer: self._bulk_push(conn, peer, key, request), str(key))
+            return pb.BulkTicket(ticket=ticket, port=self.bulk.port, version=request.version, chunks=request.chunk_count)
+
+        return self._guard("PushBulk", context, offer)
+
+    def _bulk_push(self, conn: socket.socket, peer: tuple, key: ShardKey, req: pb.PushOpen) -> None:
+        """Push's work on the bulk socket: the chunks read (each frame checked before its payload is read, a stall
+        cut off after ``push_idle_timeout``), staged, applied when ``req.commit``; the result written back."""
+        cfg = self.node.cfg
+        conn.settimeout(cfg.push_idle_timeout)
+
+        def chunks() -> Iterator[IncomingChunk]:
+            for got in range(req.chunk_count):
+                head = recv_exactly(conn, FRAME.size)
+                index, count, checksum, nbytes = FRAME.unpack(head) if len(head) == FRAME.size else (0, 0, 0, -1)
+                if nbytes < 0 or nbytes > cfg.max_chunk_bytes:
+                    raise ReplicaError(f"the push ended after {got} of {req.chunk_count} chunks" if nbytes < 0 else
+                                       f"chunk {index} has {nbytes} bytes, more than the limit {cfg.max_chunk_bytes}",
+                                       "INVALID_ARGUMENT" if nbytes < 0 else "RESOURCE_EXHAUSTED")
+                payload = np.empty(nbytes, dtype=np.uint8)  # unfilled: what is not sent is not touched
+                if recv_into(conn, memoryview(payload)) < nbytes:
+                    raise ReplicaError(f"the push ended inside chunk {index}", "INVALID_ARGUMENT")
+                self.node.touch()
+                yield IncomingChunk(key, req.version, req.base_version, index, count, checksum, memoryview(payload))
+
+        answer = frames.result("OK")
+        try:
+            if not self._pushes.acquire(blocking=False):
+                raise ReplicaError(f"{cfg.max_pushes} pushes are in flight here (--max-pushes); retry",
+                                   "RESOURCE_EXHAUSTED")
+            try:
+                staged, version, nbytes = self.node.stage(chunks(), peer[0])
+            finally:
+                self._pushes.release()
+            if req.commit:
+                held, checksum = self.node.commit(staged, version)
+                answer = frames.result("OK", held=held, checksum=checksum, nbytes=nbytes)
+            else:
+                answer = frames.result("OK", staged=version, nbytes=nbytes)
+        except _REFUSED as e:  # answered at once; the sender, which looks before each chunk, stops
+            conn.sendall(frames.result(status_of(e).name, self._note("PushBulk", status_of(e), str(e))))
+            frames.drain(conn)
+            return
+        except OSError as e:  # a stall past push_idle_timeout, or the sender gone: the staging is discarded
+            self._note("PushBulk", grpc.StatusCode.CANCELLED, f"the push's connection from {peer[0]}: {e}")
+            return
+        conn.sendall(answer)
 
     def Inventory(self, request: pb.InventoryRequest, context: grpc.ServicerContext) -> pb.InventoryResponse:
         return self._guard("Inventory", context, lambda: wire.to_proto(self.node.report(request.job_id)))

@@ -28,10 +28,10 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     if name == "bandwidth":  # a local daemon: the CPU a push costs it and the client, measured
         row = result["grpc"][str(256 << 10)]
         assert row["push_holder_cpu_s_per_GB"] is not None and row["push_client_cpu_s_per_GB"] is not None
-    if name == "push":  # both ways measured, on both sides of the one-call limit
+    if name == "push":  # the three ways measured, on both sides of the one-call limit
         for size, ones in ((64 << 10, 19), (4 << 20, 0)):
             row = result["sizes"][str(size)]
-            assert row["deltas_in_one_call"] == ones
+            assert row["deltas_in_one_call"] == ones and set(row["ways"]) == {"stream", "one call", "bulk socket"}
             assert all(len(w["holder_seconds"]) == 2 and min(w["wall_seconds"]) > 0 for w in row["ways"].values())
     if name == "overhead":
         naive = result["jobs"]["ddp @ loopback"]["naive"]

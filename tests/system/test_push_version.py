@@ -67,6 +67,7 @@ def test_a_version_no_larger_than_one_of_its_chunks_goes_in_one_call_others_stre
     big = {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(1)), "step": 1}  # 4 MiB of float32
     big2 = {"w": big["w"] + 1e-3, "step": 2}
     with d.client() as c:
+        c.bulk = False  # versions that do not go in one call stream over gRPC (over the bulk socket: test_bulk_socket)
         stream, one = counted(c)
         c.push_and_commit(JOB, 0, 2, 1, codec.encode(little[0]))
         small = codec.encode(little[1], little[0])  # one segment a megabyte by default
@@ -91,6 +92,7 @@ def test_a_version_no_larger_than_one_of_its_chunks_goes_in_one_call_others_stre
         assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 2)), little[2])
         assert_bitwise_equal(codec.decode(c.fetch(JOB, 1, 2)), big2)
     with Client(d.address, TOKEN, small_push_bytes=0) as c:  # every push streams, as a client may ask
+        c.bulk = False
         stream, one = counted(c)
         c.push_and_commit(JOB, 0, 2, 4, codec.encode(little[0], little[2]), base_version=3)
         assert (one.calls, stream.calls) == (0, 1)

@@ -16,7 +16,7 @@ import pytest
 from ffstate._proto import replica_pb2 as pb
 from ffstate.bulk import client as bulk_client
 from ffstate.bulk import server as bulk_server
-from ffstate.bulk.frames import FRAME, HELLO, MAGIC, TICKET_BYTES
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC, RESULT, TICKET_BYTES
 from ffstate.errors import ReplicaError
 
 pytestmark = pytest.mark.timeout(60)
@@ -181,7 +181,7 @@ class Caller:
 
     def __init__(self, answer, max_message_bytes: int = 1 << 20):
         self.address, self.timeout, self.max_message_bytes, self.bulk = "127.0.0.1:1", 10.0, max_message_bytes, True
-        self._rpc = {"FetchBulk": lambda req, **kw: answer()}
+        self._rpc = {"FetchBulk": lambda req, **kw: answer(), "PushBulk": lambda req, **kw: answer()}
 
     def _kw(self, timeout=None):
         return {}
@@ -283,3 +283,51 @@ def test_a_daemon_that_trickles_meets_the_whole_fetch_s_deadline():
     with pytest.raises(ReplicaError) as e:
         bulk_client.fetch(caller, pb.FetchRequest(), lambda v, c: None)
     assert e.value.code == "UNAVAILABLE" and time.monotonic() - start < 5
+
+
+def daemon_answering(answer: bytes, after: int) -> tuple[int, list[int], threading.Thread]:
+    """A listening socket that reads a push's ticket and ``after`` bytes of it, answers ``answer`` and drains (as the
+    daemon does on a refusal): what it read comes back in the list."""
+    from ffstate.bulk.frames import drain, recv_exactly
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    got: list[int] = []
+
+    def serve():
+        conn, _ = lsock.accept()
+        with conn:
+            got.append(len(recv_exactly(conn, TICKET_BYTES + after)))
+            conn.sendall(answer)
+            drain(conn, 3.0)
+        lsock.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return lsock.getsockname()[1], got, t
+
+
+def test_a_push_refused_midway_stops_sending_and_says_why():
+    from ffstate.bulk.frames import result
+    from ffstate.errors import ReplicaUnavailable
+
+    many = [C(i, 200, i, memoryview(np.zeros(1 << 20, dtype=np.uint8))) for i in range(200)]  # 200 MiB to send
+    port, got, t = daemon_answering(result("FAILED_PRECONDITION", "base 2 is not held here"), FRAME.size + 1000)
+    caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port))
+    paced: list[int] = []
+    with pytest.raises(ReplicaError) as e:
+        bulk_client.push(caller, pb.PushOpen(), many, paced.append)
+    assert e.value.code == "FAILED_PRECONDITION" and "base 2 is not held here" in str(e.value)
+    assert len(paced) < 50  # it stopped soon after the answer came, not after 200 MiB
+    t.join(10)
+    for answer, kind in ((b"", ReplicaUnavailable), (RESULT.pack(b"OK", 0, 0, 0, 0, 5000), ReplicaError)):
+        port, got, t = daemon_answering(answer, 0)
+        with pytest.raises(kind) as e:  # closed without an answer; an answer's message past its bound
+            bulk_client.push(Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port)), pb.PushOpen(), [], None)
+        assert kind is ReplicaUnavailable or e.value.code == "DATA_LOSS"
+        t.join(10)
+    ok = RESULT.pack(b"OK", 0, 7, 99, 1234, 0)
+    port, got, t = daemon_answering(ok, FRAME.size + 10)
+    answer = bulk_client.push(Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=port)), pb.PushOpen(),
+                              [C(0, 1, 5, memoryview(b"0123456789"))], None)
+    assert (answer.committed_version, answer.checksum, answer.bytes_received) == (7, 99, 1234)
+    t.join(10)

@@ -1,7 +1,8 @@
 """The bulk socket (``ffstate/bulk/``) against a real daemon: a fetch's chunks come over it bit for bit as gRPC's
-Fetch sends them (whole versions, stepped-back ones, named chunks, stripes); a ticket serves one connection, and a
-connection without a live ticket gets nothing; a daemon without the socket (``--bulk-port -1``, or TLS) is fetched
-from over gRPC."""
+Fetch sends them (whole versions, stepped-back ones, named chunks, stripes); a push over it is staged and applied
+as a Push stream is, refused with the status a stream gets, and a stalled one cut off; a ticket serves one
+connection, and a connection without a live ticket gets nothing; a daemon without the socket (``--bulk-port -1``,
+or TLS) is fetched from and pushed to over gRPC."""
 
 import os
 import socket
@@ -14,7 +15,7 @@ from daemons import TOKEN, make_tls
 from ffstate import codec
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
-from ffstate.bulk.frames import FRAME, HELLO, MAGIC
+from ffstate.bulk.frames import FRAME, HELLO, MAGIC, RESULT
 from ffstate.bulk.server import HELLO_TIMEOUT
 from ffstate.client import Client
 from ffstate.errors import ReplicaError
@@ -119,9 +120,11 @@ def test_a_ticket_serves_one_connection_and_nothing_else_is_served(daemons, stat
         assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 3)), states[2])
 
 
-def test_a_daemon_without_the_socket_is_fetched_from_over_grpc(daemons, states, tmp_path):
+def test_a_daemon_without_the_socket_is_fetched_from_and_pushed_to_over_grpc(daemons, states, tmp_path):
     d = daemons.start("--bulk-port", "-1")
     with held(d, states) as c:
+        assert not c.bulk  # its pushes (streamed, over gRPC) learned that the daemon has none
+    with d.client() as c:
         assert c.bulk
         assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 3)), states[2])
         assert not c.bulk  # the daemon said it has none: later fetches go straight to gRPC
@@ -135,3 +138,53 @@ def test_a_daemon_without_the_socket_is_fetched_from_over_grpc(daemons, states, 
         with pytest.raises(ReplicaError) as e:
             c._call("ticket", lambda: c._rpc["FetchBulk"](pb.FetchRequest(shard=shard(JOB, 0, 1)), **c._kw()))
         assert e.value.code == "UNIMPLEMENTED"  # and a TLS daemon offers no plaintext socket
+
+
+def test_pushes_over_the_bulk_socket_are_staged_applied_and_refused_as_streams_are(daemons, states):
+    d = daemons.start()
+    with d.client() as c:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the push went over gRPC's Push, not the bulk socket")
+        c._push = refuse
+        paced: list[int] = []
+        prev = None
+        for v, st in enumerate(states, 1):  # a full version, then deltas, each of several chunks
+            packed = codec.encode(st, prev, chunk_bytes=CHUNK)
+            assert len(packed.chunks) > 2 and not c.in_one_call(packed)
+            paced.clear()
+            got = c.push_and_commit(JOB, 0, 1, v, packed, base_version=v - 1 if prev else 0, before_chunk=paced.append)
+            assert got.version == v and paced == [len(x.payload) for x in packed.chunks]  # paced chunk by chunk
+            prev = st
+        assert c.bulk
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 3)), states[2])
+        staged = c.push(JOB, 0, 1, 4, codec.encode(states[0], states[2], chunk_bytes=CHUNK), base_version=3)
+        assert staged.staged_version == 4 and staged.bytes_received > 0  # staged, not applied, until Commit
+        assert c.commit(JOB, 0, 1, 4).version == 4
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 4)), states[0])
+        wrong = codec.encode(states[1], states[0], chunk_bytes=CHUNK)  # a delta against a base it does not hold
+        with pytest.raises(ReplicaError) as e:
+            c.push_and_commit(JOB, 0, 1, 5, wrong, base_version=2)
+        assert e.value.code == "FAILED_PRECONDITION" and "bulk push" in str(e.value)
+        assert_bitwise_equal(codec.decode(c.fetch(JOB, 0, 1, 4)), states[0])  # as it was
+    assert "refused PushBulk: FAILED_PRECONDITION" in d.log()
+
+
+def test_a_stalled_bulk_push_is_cut_off_and_a_chunk_past_the_limit_refused_unread(daemons, states):
+    d = daemons.start("--push-idle-timeout", "2", "--max-chunk-bytes", "1M")
+    with grpc.insecure_channel(d.address) as ch, d.client() as c:
+        stub = pb_grpc.ReplicaStub(ch)
+        opening = pb.PushOpen(shard=shard(JOB, 0, 1), version=1, chunk_count=3, commit=True)
+        offer = stub.PushBulk(opening, metadata=META)
+        start = time.monotonic()
+        with socket.create_connection(("127.0.0.1", offer.port), timeout=30) as s:
+            s.sendall(offer.ticket + FRAME.pack(0, 3, 0, 100) + b"x" * 10)  # then nothing
+            assert s.recv(1 << 16) == b""  # cut off, no answer
+        assert 1.5 < time.monotonic() - start < 12
+        offer = stub.PushBulk(opening, metadata=META)
+        with socket.create_connection(("127.0.0.1", offer.port), timeout=30) as s:
+            s.sendall(offer.ticket + FRAME.pack(0, 3, 0, 1 << 30))  # claims 1 GiB: refused before a byte of it
+            answer = s.recv(1 << 16)
+        status, *_ , length = RESULT.unpack_from(answer)
+        assert status.rstrip(b"\0") == b"RESOURCE_EXHAUSTED" and b"more than the limit" in answer[RESULT.size:]
+        assert not [x for x in c.inventory(JOB).shards if not x.local]  # nothing held, nothing left staged
+    assert "refused PushBulk: CANCELLED" in d.log()
