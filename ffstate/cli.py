@@ -138,8 +138,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--link-bandwidth", type=parse_bytes, default=0, metavar="BYTES_PER_S",
                    help="the links' bandwidth, e.g. 25M (default: measured from the pushes)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (default: off)")
-    p.add_argument("--bulk-port", type=int, default=0, help="port of the bulk socket that carries restores' chunks "
-                   "beside gRPC (default 0: one the kernel picks; -1: none, every fetch over gRPC; none under TLS)")
+    p.add_argument("--bulk-port", type=int, default=0, help="port of the bulk socket that carries pushes' and "
+                   "restores' chunks beside gRPC (default 0: one the kernel picks; -1: none, all over gRPC; none "
+                   "under TLS)")
     p.add_argument("--slot-poll", type=float, default=0.05, metavar="SECONDS",
                    help="how often the daemon looks at its workers' slots between their rings of its doorbell "
                         "(a worker rings after each commit; default 0.05)")

@@ -92,7 +92,7 @@ class Config:
         link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
             known; "" measures it from the first push and follows it.
         metrics_port: Prometheus metrics of node n's started daemon on ``metrics_port + n``; 0: off.
-        bulk_port: node n's started daemon's bulk socket (restores' chunks beside gRPC) on ``bulk_port + n``; 0: a
+        bulk_port: node n's started daemon's bulk socket (pushes' and restores' chunks) on ``bulk_port + n``; 0: a
             port the kernel picks; -1: none. Where it cannot be reached fetches go over gRPC: pin it behind a firewall.
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
@@ -337,7 +337,7 @@ class DaemonConfig:
     link_share: float = 0.5  # share of each link's estimated bandwidth replication may use
     link_bandwidth: int = 0  # bytes per second of the links when known; 0: measured from the pushes
     metrics_port: int = 0  # Prometheus /metrics on this port; 0: off
-    bulk_port: int = 0  # restores' chunks without gRPC's framing (ffstate/bulk/); 0: a port the kernel picks; -1: off
+    bulk_port: int = 0  # pushes' and restores' chunks outside gRPC (ffstate/bulk/); 0: a port the kernel picks; -1: off
     slot_poll: float = 0.05  # seconds between looks at the slots without a ring of the doorbell
     max_pushes: int = 48  # pushes served at once (streamed or in one call); more are refused, so other calls get threads
     push_idle_timeout: float = 60.0  # seconds a push stream may wait between chunks before it is cut off

@@ -2,7 +2,7 @@
 socket that serves each to the one connection that brings its ticket.
 
 Bounds: at most ``MAX_OFFERS`` offers wait at once (each holds its reservation against the daemon's memory budget
-until it is served or ``TICKET_TTL`` passes), at most ``MAX_CONNECTIONS`` connections are served at once (one more
+until it is served or ``TICKET_TTL`` passes), at most ``max_connections`` connections are served at once (one more
 waits in the listen queue up to ``HELLO_TIMEOUT`` for a place, then is closed), and a connection has
 ``HELLO_TIMEOUT`` seconds in all to send its ticket; a receiver that stops reading is cut off after ``SEND_TIMEOUT``
 seconds without progress. A wrong or expired ticket closes the connection without a byte sent. The listening
@@ -26,7 +26,7 @@ log = logging.getLogger("ffstate.daemon")
 
 TICKET_TTL = 10.0  # seconds an offer waits for its connection
 MAX_OFFERS = 64
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 16  # the default bound; a daemon sets its own (its --max-pushes, and 16 for fetches)
 HELLO_TIMEOUT = 5.0
 SEND_TIMEOUT = 60.0
 LOG_EVERY = 1.0  # seconds between logged refusals (the rest are counted)
@@ -47,7 +47,7 @@ class BulkServer:
     reservation back, ``touch()`` marks the daemon active, ``refused(status)`` counts a refused connection."""
 
     def __init__(self, host: str, port: int, release: Callable[[int], None], touch: Callable[[], None] = lambda: None,
-                 refused: Callable[[str], None] = lambda status: None):
+                 refused: Callable[[str], None] = lambda status: None, max_connections: int | None = None):
         host = host.strip("[]")
         if not host and socket.has_dualstack_ipv6():  # every address, as gRPC's ":port" listens: IPv6 and IPv4
             self._sock = socket.create_server(("", port), family=socket.AF_INET6, backlog=64, dualstack_ipv6=True)
@@ -59,7 +59,8 @@ class BulkServer:
         self._release, self._touch, self._refused = release, touch, refused
         self._offers: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
-        self._conns = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._bound = max_connections or MAX_CONNECTIONS
+        self._conns = threading.BoundedSemaphore(self._bound)
         self._live: set[socket.socket] = set()  # connections being served: ``close`` shuts them down
         self._closed = False
         self._logged = (0.0, 0)  # (when a refusal was last logged, how many were not since)
@@ -138,7 +139,7 @@ class BulkServer:
                 return
             if not self._conns.acquire(timeout=HELLO_TIMEOUT):  # the others' tickets are due within it
                 conn.close()
-                self._refuse(peer, "RESOURCE_EXHAUSTED", f"{MAX_CONNECTIONS} bulk connections are being served")
+                self._refuse(peer, "RESOURCE_EXHAUSTED", f"{self._bound} bulk connections are being served")
                 continue
             try:
                 threading.Thread(target=self._serve, args=(conn, peer), name="bulk", daemon=True).start()
