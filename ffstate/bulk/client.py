@@ -9,7 +9,6 @@ memory. What the chunks hold is checked downstream, as for gRPC's ``Fetch`` (eac
 from __future__ import annotations
 
 import logging
-import select
 import socket
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -141,12 +140,14 @@ def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable
                         break
                     if before_chunk is not None:
                         before_chunk(len(c.payload))
+                    if time.monotonic() > deadline:  # the rest unsent: the daemon discards a short push
+                        raise OSError("the push's deadline passed before its last chunk")
                     if _answered(sock):
                         break
                     send_parts(sock, [FRAME.pack(c.index, c.count, c.checksum, len(c.payload)), c.payload])
             except OSError:  # the daemon stopped reading: its answer may be here already
                 pass
-            head = recv_exactly(sock, RESULT.size, deadline, client.timeout)
+            head = recv_exactly(sock, RESULT.size, deadline)  # staging and applying it may take a while
             if len(head) < RESULT.size:
                 raise OSError("the daemon closed the connection before its answer")
             status, staged, held, checksum, nbytes, length = RESULT.unpack(head)
@@ -163,4 +164,14 @@ def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable
 
 def _answered(sock: socket.socket) -> bool:
     """Whether the daemon has answered (or closed) before the push's last chunk: a refusal, read next."""
-    return bool(select.select([sock], [], [], 0)[0])
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)  # a socket with a timeout waits for data before it reads, MSG_DONTWAIT or not
+    try:
+        sock.recv(1, socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:  # reset: what is there is read next, and says so
+        return True
+    finally:
+        sock.settimeout(timeout)
+    return True

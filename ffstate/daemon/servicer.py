@@ -283,15 +283,16 @@ class Servicer:
         conn.settimeout(cfg.push_idle_timeout)
 
         def chunks() -> Iterator[IncomingChunk]:
-            for got in range(req.chunk_count):
-                head = recv_exactly(conn, FRAME.size)
+            for got in range(req.chunk_count):  # each chunk within push_idle_timeout, however it trickles
+                by = time.monotonic() + cfg.push_idle_timeout
+                head = recv_exactly(conn, FRAME.size, by)
                 index, count, checksum, nbytes = FRAME.unpack(head) if len(head) == FRAME.size else (0, 0, 0, -1)
                 if nbytes < 0 or nbytes > cfg.max_chunk_bytes:
                     raise ReplicaError(f"the push ended after {got} of {req.chunk_count} chunks" if nbytes < 0 else
                                        f"chunk {index} has {nbytes} bytes, more than the limit {cfg.max_chunk_bytes}",
                                        "INVALID_ARGUMENT" if nbytes < 0 else "RESOURCE_EXHAUSTED")
                 payload = np.empty(nbytes, dtype=np.uint8)  # unfilled: what is not sent is not touched
-                if recv_into(conn, memoryview(payload)) < nbytes:
+                if recv_into(conn, memoryview(payload), by) < nbytes:
                     raise ReplicaError(f"the push ended inside chunk {index}", "INVALID_ARGUMENT")
                 self.node.touch()
                 yield IncomingChunk(key, req.version, req.base_version, index, count, checksum, memoryview(payload))
@@ -316,6 +317,11 @@ class Servicer:
             return
         except OSError as e:  # a stall past push_idle_timeout, or the sender gone: the staging is discarded
             self._note("PushBulk", grpc.StatusCode.CANCELLED, f"the push's connection from {peer[0]}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001 (a bug: answered as gRPC answers one, UNKNOWN, not a silent close)
+            log.exception("PushBulk of %s from %s failed", key, peer[0])
+            conn.sendall(frames.result("UNKNOWN", f"{type(e).__name__}: {e}"))
+            frames.drain(conn)
             return
         conn.sendall(answer)
 
