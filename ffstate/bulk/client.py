@@ -60,6 +60,14 @@ def _connect(client: Any, offer: pb.BulkTicket) -> socket.socket | None:
     return sock
 
 
+def _open(client: Any, method: str, req: Any) -> tuple[pb.BulkTicket, socket.socket] | None:
+    """The ticket and the connection for ``req``; None where there is no bulk socket to use now (``_offer``,
+    ``_connect``)."""
+    offer = _offer(client, method, req)
+    sock = None if offer is None else _connect(client, offer)
+    return None if sock is None else (offer, sock)
+
+
 def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], None]) -> bool:
     """Fetches ``req``'s chunks over the bulk socket of ``client``'s daemon (an ``ffstate.client.Client``) into
     ``deliver(version, chunk)``; False, having delivered nothing, where the daemon has none or it cannot be reached
@@ -72,12 +80,10 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
             have been delivered); DATA_LOSS, the daemon sent something that is not the framing.
     """
     deadline = time.monotonic() + client.timeout * 10  # the whole fetch's, as gRPC's Fetch has
-    offer = _offer(client, "FetchBulk", req)  # the daemon reserves and encodes the chunks before it answers
-    if offer is None:
+    opened = _open(client, "FetchBulk", req)  # the daemon reserves and encodes the chunks before it answers
+    if opened is None:
         return False
-    sock = _connect(client, offer)
-    if sock is None:
-        return False
+    offer, sock = opened
     from ffstate.codec import Chunk
 
     what = f"bulk fetch from {client.address} (port {offer.port})"
@@ -123,12 +129,10 @@ def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable
         ReplicaUnavailable: the connection failed or broke off once chunks were on their way.
     """
     deadline = time.monotonic() + client.timeout * 10  # the whole push's, as gRPC's Push has
-    offer = _offer(client, "PushBulk", req)
-    if offer is None:
+    opened = _open(client, "PushBulk", req)
+    if opened is None:
         return None
-    sock = _connect(client, offer)
-    if sock is None:
-        return None
+    offer, sock = opened
     what = f"bulk push to {client.address} (port {offer.port})"
     with sock:
         try:
@@ -141,7 +145,7 @@ def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable
                     if before_chunk is not None:
                         before_chunk(len(c.payload))
                     if time.monotonic() > deadline:  # the rest unsent: the daemon discards a short push
-                        raise OSError("the push's deadline passed before its last chunk")
+                        raise ReplicaUnavailable(f"{what}: its deadline passed before its last chunk")
                     if _answered(sock):
                         break
                     send_parts(sock, [FRAME.pack(c.index, c.count, c.checksum, len(c.payload)), c.payload])
