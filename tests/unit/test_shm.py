@@ -2,6 +2,7 @@
 in one process), and the doorbell's best effort."""
 
 import ctypes
+import threading
 import time
 
 import pytest
@@ -78,6 +79,12 @@ def test_a_commit_whose_daemon_is_gone_or_has_no_doorbell_does_not_fail(tmp_path
         slots.close()
 
 
+def _patch_sleep(monkeypatch, fake):
+    """Patch time.sleep, which is the time module's, for this thread only: a thread left running by an earlier
+    test in the same worker would otherwise call the fake (and spin on it, not sleeping)."""
+    real, mine = time.sleep, threading.current_thread()
+    monkeypatch.setattr("ffstate.lag.time.sleep", lambda s: fake(s) if threading.current_thread() is mine else real(s))
+
 
 def test_a_commit_held_by_the_lag_policy_shows_in_the_header_until_it_is_released(tmp_path, monkeypatch):
     from ffstate.lag import LagWatch
@@ -95,7 +102,7 @@ def test_a_commit_held_by_the_lag_policy_shows_in_the_header_until_it_is_release
             seen.append(daemon.lag_held())
             daemon.set_replicated(3)
 
-        monkeypatch.setattr("ffstate.lag.time.sleep", sleep)
+        _patch_sleep(monkeypatch, sleep)
         lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
         lag.replicated = 1
         assert daemon.lag_held() == 0.0
@@ -123,7 +130,7 @@ def test_the_block_policy_does_not_hold_a_commit_for_a_holder_that_is_down(tmp_p
             if len(polls) == 3:
                 daemon.set_replicated(1, holders_down=1)
 
-        monkeypatch.setattr("ffstate.lag.time.sleep", sleep)
+        _patch_sleep(monkeypatch, sleep)
         lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
         lag.replicated = 1
         lag.wait(9, timeout=60.0, within=4, slots=worker)
