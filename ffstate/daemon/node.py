@@ -348,6 +348,7 @@ class Node:
                         version, self.cfg.staged_timeout)
 
     def close(self) -> None:
+        self.done.set()  # the threads that wait on it end (the servicer's push watchdog)
         self.watchdog.close()
         if self.persister is not None:  # the versions of ranks still attached, and what is queued (bounded)
             self.persister.close(self._shards())

@@ -199,8 +199,7 @@ class Servicer:
     def _watch_pushes(self) -> None:
         """Cancels each push stream that sent nothing for ``push_idle_timeout``: its thread and staged bytes come
         back (the stream's reader raises, the staging is discarded), and the sender sees CANCELLED."""
-        while True:  # a daemon thread: it lives as long as the process
-            time.sleep(min(1.0, self._idle / 4))
+        while not self.node.done.wait(min(1.0, self._idle / 4)):  # ends with the node (set at its close)
             now = time.monotonic()
             for ident, (context, last) in list(self._streams.items()):
                 if now - last > self._idle and self._streams.pop(ident, None) is not None:

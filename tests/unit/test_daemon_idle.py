@@ -40,3 +40,9 @@ def test_the_idle_clock_starts_when_the_daemon_listens(tmp_path):
         c.inventory()
     thread.join(30)
     assert ended and ended[0] - since >= 2.0  # and then, idle, it leaves
+    # and takes its threads with it: the push watchdog ended with the node (it once slept forever, in a test
+    # process calling whatever a later test put in place of time.sleep)
+    deadline = time.monotonic() + 5
+    while any(t.name == "ffstate-push-watchdog" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "ffstate-push-watchdog" for t in threading.enumerate())
