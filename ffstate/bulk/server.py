@@ -1,10 +1,12 @@
 """The daemon's side of the bulk socket: offers (a fetch's chunks, reserved, under a ticket) and the listening
 socket that serves each to the one connection that brings its ticket.
 
-Bounds: at most ``MAX_OFFERS`` offers wait at once (each holds its reservation against the daemon's memory budget
-until it is served or ``TICKET_TTL`` passes), at most ``max_connections`` connections are served at once (one more
-waits in the listen queue up to ``HELLO_TIMEOUT`` for a place, then is closed), and a connection has
-``HELLO_TIMEOUT`` seconds in all to send its ticket; a receiver that stops reading is cut off after ``SEND_TIMEOUT``
+Bounds: at most ``MAX_OFFERS`` transfers at once, from their offer to the end of their connection (a fetch's offer
+holds its reservation against the daemon's memory budget until it is served or ``TICKET_TTL`` passes); at most
+``max_connections`` connections are served at once, by default every offer's and ``STRANGERS`` more (a connection
+shows its ticket only once it has a place, so legitimate ones always find one unless strangers hold them; one more
+waits in the listen queue up to ``HELLO_TIMEOUT`` for a place, then is closed); a connection has ``HELLO_TIMEOUT``
+seconds in all to send its ticket; a receiver that stops reading is cut off after ``SEND_TIMEOUT``
 seconds without progress. A wrong or expired ticket closes the connection without a byte sent. The listening
 socket reuses its address (a daemon restarted on a pinned port binds it again at once).
 """
@@ -26,7 +28,7 @@ log = logging.getLogger("ffstate.daemon")
 
 TICKET_TTL = 10.0  # seconds an offer waits for its connection
 MAX_OFFERS = 64
-MAX_CONNECTIONS = 16  # the default bound; a daemon sets its own (its --max-pushes, and 16 for fetches)
+STRANGERS = 16  # places beyond the offers' for connections whose ticket is not read yet
 HELLO_TIMEOUT = 5.0
 SEND_TIMEOUT = 60.0
 LOG_EVERY = 1.0  # seconds between logged refusals (the rest are counted)
@@ -59,7 +61,8 @@ class BulkServer:
         self._release, self._touch, self._refused = release, touch, refused
         self._offers: dict[bytes, _Offer] = {}
         self._lock = threading.Lock()
-        self._bound = max_connections or MAX_CONNECTIONS
+        self._bound = max_connections or MAX_OFFERS + STRANGERS
+        self._serving = 0  # offers whose connection came: they count against MAX_OFFERS until it ends
         self._conns = threading.BoundedSemaphore(self._bound)
         self._live: set[socket.socket] = set()  # connections being served: ``close`` shuts them down
         self._closed = False
@@ -72,19 +75,20 @@ class BulkServer:
         (released when served or expired).
 
         Raises:
-            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait (``reserved`` is released first).
+            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` transfers already wait or run (``reserved`` is released
+                first).
         """
         return self._add(_Offer(time.monotonic() + TICKET_TTL, version, chunks, reserved, what))
 
     def _add(self, offer: _Offer) -> bytes:
         ticket = secrets.token_bytes(TICKET_BYTES)
         with self._lock:
-            full = len(self._offers) >= MAX_OFFERS or self._closed
+            full = len(self._offers) + self._serving >= MAX_OFFERS or self._closed
             if not full:
                 self._offers[ticket] = offer
         if full:
             self._release(offer.reserved)
-            raise ReplicaError(f"{MAX_OFFERS} bulk transfers wait for their connections here; retry, or use gRPC",
+            raise ReplicaError(f"{MAX_OFFERS} bulk transfers wait or run here; retry, or use gRPC",
                                "RESOURCE_EXHAUSTED")
         return ticket
 
@@ -93,7 +97,7 @@ class BulkServer:
         chunks and answers (it holds no reservation: the chunks are reserved as they arrive).
 
         Raises:
-            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` already wait.
+            ReplicaError: RESOURCE_EXHAUSTED, ``MAX_OFFERS`` transfers already wait or run.
         """
         return self._add(_Offer(time.monotonic() + TICKET_TTL, 0, (), 0, what, handler))
 
@@ -156,6 +160,7 @@ class BulkServer:
             ticket = recv_exactly(conn, TICKET_BYTES, deadline=time.monotonic() + HELLO_TIMEOUT)
             with self._lock:
                 offer = self._offers.pop(ticket, None) if len(ticket) == TICKET_BYTES else None
+                self._serving += offer is not None
             if offer is None:
                 self._refuse(peer, "UNAUTHENTICATED", "an unknown or expired ticket")
                 return
@@ -182,6 +187,7 @@ class BulkServer:
                 self._release(offer.reserved)
             with self._lock:
                 self._live.discard(conn)
+                self._serving -= offer is not None
             conn.close()
             self._conns.release()
 

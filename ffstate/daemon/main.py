@@ -180,7 +180,7 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
     try:
         if cfg.bulk_port >= 0 and not cfg.tls_cert:  # under TLS every byte stays on the encrypted channel
             try:
-                bulk = BulkServer(cfg.host, cfg.bulk_port, node.release, node.touch, node.refused, cfg.max_pushes + 16)
+                bulk = BulkServer(cfg.host, cfg.bulk_port, node.release, node.touch, node.refused)
             except OSError as e:
                 raise FFStateError(f"cannot listen for bulk fetches on {cfg.host}:{cfg.bulk_port} (--bulk-port): {e}"
                                    ) from e

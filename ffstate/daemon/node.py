@@ -71,8 +71,7 @@ class Node:
         # No retries in a push: a holder that does not answer is marked down (lag.py), retried on the replicator's backoff.
         self.persister = Persister(cfg.persist_dir, cfg.persist_every, cfg.persist_keep, self.store.reserve,
                                    self.store.release, cfg.node_id, cfg.persist_nice) if cfg.persist_dir else None
-        taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) \
-            if self.persister is not None else None
+        taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) if self.persister else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0, retries=0),
                                      list(cfg.peers), pacer or self._pacer(), poll_interval=cfg.slot_poll,
                                      keep=cfg.keep_deltas, taken=taken)

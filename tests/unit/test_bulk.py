@@ -106,10 +106,9 @@ def test_offers_expire_are_bounded_and_close_releases_them(server, monkeypatch):
 def test_a_connection_has_its_ticket_time_in_all_and_one_waiting_gets_the_place(monkeypatch):
     """One place, taken by a stranger who sends a byte every 0.2 s: it is cut off when its ticket time is up (not
     a read's timeout at a time), and the caller queued behind it is served then."""
-    monkeypatch.setattr(bulk_server, "MAX_CONNECTIONS", 1)
     monkeypatch.setattr(bulk_server, "HELLO_TIMEOUT", 1.0)
     refused: list[str] = []
-    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None, refused=refused.append)
+    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None, refused=refused.append, max_connections=1)
     try:
         ticket = s.offer(3, chunks(1), reserved=1)
         start = time.monotonic()
@@ -123,6 +122,54 @@ def test_a_connection_has_its_ticket_time_in_all_and_one_waiting_gets_the_place(
             assert stranger.recv(1) == b""  # and the stranger was cut off
         assert refused == ["UNAUTHENTICATED"]
     finally:
+        s.close()
+
+
+def test_a_transfer_counts_against_the_offers_until_its_connection_ends_and_always_finds_a_place(monkeypatch):
+    """Two transfers at most, one stranger's place: while a push is being served it holds its offer's count, and the
+    stranger sitting on its place keeps neither push out (before, the places were fewer than the offers, and a
+    push's connection past them was closed without an answer: its holder was then taken for down)."""
+    monkeypatch.setattr(bulk_server, "MAX_OFFERS", 2)
+    monkeypatch.setattr(bulk_server, "STRANGERS", 1)
+    monkeypatch.setattr(bulk_server, "HELLO_TIMEOUT", 1.0)
+    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None)
+    go, served = threading.Event(), []
+
+    def handler(conn, peer) -> None:
+        served.append(peer)
+        go.wait(20)
+        conn.sendall(b"done")
+
+    try:
+        first, second = s.offer_push(handler), s.offer_push(handler)
+        with pytest.raises(ReplicaError) as e:
+            s.offer_push(handler)
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        with socket.create_connection(("127.0.0.1", s.port), timeout=20) as stranger, \
+                socket.create_connection(("127.0.0.1", s.port), timeout=20) as a, \
+                socket.create_connection(("127.0.0.1", s.port), timeout=20) as b:
+            a.sendall(first)
+            b.sendall(second)
+            deadline = time.monotonic() + 10
+            while len(served) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(served) == 2  # both served beside the stranger, at once
+            with pytest.raises(ReplicaError):  # served, not yet ended: still counted
+                s.offer_push(handler)
+            go.set()
+            assert a.recv(4) == b"done" and b.recv(4) == b"done"
+            assert stranger.recv(1) == b""  # cut off when its ticket time was up (or now)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the connections' ends give the counts back
+            try:
+                s.offer_push(handler)
+                break
+            except ReplicaError:
+                time.sleep(0.01)
+        else:
+            pytest.fail("the transfers' counts never came back")
+    finally:
+        go.set()
         s.close()
 
 
