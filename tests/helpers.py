@@ -5,11 +5,14 @@ use too)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import random
+import signal
 import subprocess
 import threading
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -117,3 +120,11 @@ class Lines:
                                  f"it printed {self.seen!r}")
         self.seen.append(line)
         return line.strip()
+
+
+def kill_daemons(pid_files: Iterable[Path], sig: int = signal.SIGKILL) -> None:
+    """Signals the daemons that ``pid_files`` name; a file or a process gone meanwhile is skipped (a daemon whose job
+    left unlinks its file as it exits: between the glob and the read, in a test's cleanup)."""
+    for pid_file in pid_files:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(pid_file.read_text()), sig)

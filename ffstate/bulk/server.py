@@ -4,8 +4,9 @@ socket that serves each to the one connection that brings its ticket.
 Bounds: at most ``MAX_OFFERS`` transfers at once, from their offer to the end of their connection (a fetch's offer
 holds its reservation against the daemon's memory budget until it is served or ``TICKET_TTL`` passes); at most
 ``max_connections`` connections are served at once, by default every offer's and ``STRANGERS`` more (a connection
-shows its ticket only once it has a place, so legitimate ones always find one unless strangers hold them; one more
-waits in the listen queue up to ``HELLO_TIMEOUT`` for a place, then is closed); a connection has ``HELLO_TIMEOUT``
+shows its ticket only once it has a place, so a transfer's connection finds one unless connections that sent no
+ticket hold at least ``STRANGERS``; the next one accepted waits up to ``HELLO_TIMEOUT`` for a place, then is closed,
+and the others wait behind it in the listen queue); a connection has ``HELLO_TIMEOUT``
 seconds in all to send its ticket; a receiver that stops reading is cut off after ``SEND_TIMEOUT``
 seconds without progress. A wrong or expired ticket closes the connection without a byte sent. The listening
 socket reuses its address (a daemon restarted on a pinned port binds it again at once).

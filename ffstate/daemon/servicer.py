@@ -199,7 +199,7 @@ class Servicer:
     def _watch_pushes(self) -> None:
         """Cancels each push stream that sent nothing for ``push_idle_timeout``: its thread and staged bytes come
         back (the stream's reader raises, the staging is discarded), and the sender sees CANCELLED."""
-        while not self.node.done.wait(min(1.0, self._idle / 4)):  # ends with the node (set at its close)
+        while not self.node.done.wait(min(1.0, self._idle / 4)):  # until the node stops (signal, empty, close)
             now = time.monotonic()
             for ident, (context, last) in list(self._streams.items()):
                 if now - last > self._idle and self._streams.pop(ident, None) is not None:

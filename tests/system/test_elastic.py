@@ -24,6 +24,7 @@ import pytest
 from ffstate import persist
 from ffstate.bench._report import free_ports
 from ffstate.client import Client
+from helpers import kill_daemons
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,11 +61,7 @@ class Job:
         return got
 
     def stop_daemons(self) -> None:
-        for pid_file in (self.tmp / f"ffstate-{self.job}").glob("daemon-*.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), 9)
-            except (ProcessLookupError, ValueError):
-                pass
+        kill_daemons((self.tmp / f"ffstate-{self.job}").glob("daemon-*.pid"))
 
 
 def resized(job: Job, world: int, old: int, lost_at_most: int) -> dict:

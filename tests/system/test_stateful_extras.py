@@ -14,6 +14,7 @@ import pytest
 
 from ffstate.bench._report import free_ports
 from ffstate.testing.bitwise import compare_runs
+from helpers import kill_daemons
 
 pytestmark = pytest.mark.timeout(300)
 SCRIPT = Path(__file__).resolve().parents[1] / "procs" / "stateful.py"
@@ -73,7 +74,6 @@ def test_an_extra_that_changes_structure_gets_new_slots_and_resumes_from_its_new
     re-attaches with the new layout (logged, recorded) and the job, left with an exception after step 5 and
     entered again, restores step 5's state into the same object, bit for bit."""
     import logging
-    import signal
 
     import torch
 
@@ -102,8 +102,4 @@ def test_an_extra_that_changes_structure_gets_new_slots_and_resumes_from_its_new
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
         assert [e["step"] for e in events if e["event"] == "layout-changed"] == [3, 4, 5]
     finally:
-        for pid_file in run_dir.glob("daemon-*.pid"):
-            try:
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+        kill_daemons(run_dir.glob("daemon-*.pid"))

@@ -19,7 +19,7 @@ from ffstate import FFStateError, replicate
 from ffstate.bench import chaos
 from ffstate.bench._report import free_ports
 from ffstate.testing.bitwise import compare_runs
-from helpers import assert_bitwise_equal
+from helpers import assert_bitwise_equal, kill_daemons
 
 pytestmark = pytest.mark.timeout(600)
 STEPS = 12
@@ -211,8 +211,4 @@ def test_razor_part_with_no_live_copy_fails_with_the_precise_error(tmp_path):
     assert "no live copy of rank 1's shard (it was kept on node1 (slots))" in out
     assert "every member's part" in out
     assert not job_events(tmp_path, job, "restored")
-    for pid_file in (tmp_path / f"ffstate-{job}").glob("daemon-*.pid"):  # the failed job's daemons keep its copies
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
-        except (ProcessLookupError, ValueError):
-            pass
+    kill_daemons((tmp_path / f"ffstate-{job}").glob("daemon-*.pid"), signal.SIGTERM)  # the failed job's keep its copies

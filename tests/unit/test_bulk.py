@@ -131,8 +131,8 @@ def test_a_transfer_counts_against_the_offers_until_its_connection_ends_and_alwa
     push's connection past them was closed without an answer: its holder was then taken for down)."""
     monkeypatch.setattr(bulk_server, "MAX_OFFERS", 2)
     monkeypatch.setattr(bulk_server, "STRANGERS", 1)
-    monkeypatch.setattr(bulk_server, "HELLO_TIMEOUT", 1.0)
-    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None)
+    refused: list[str] = []
+    s = bulk_server.BulkServer("127.0.0.1", 0, lambda n: None, refused=refused.append)  # HELLO_TIMEOUT: 5 s
     go, served = threading.Event(), []
 
     def handler(conn, peer) -> None:
@@ -153,12 +153,14 @@ def test_a_transfer_counts_against_the_offers_until_its_connection_ends_and_alwa
             deadline = time.monotonic() + 10
             while len(served) < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            assert len(served) == 2  # both served beside the stranger, at once
+            # both served beside the stranger, before its 5 s were up (with places for the transfers alone, the
+            # second would have waited for the stranger to be cut off)
+            assert len(served) == 2 and refused == []
             with pytest.raises(ReplicaError):  # served, not yet ended: still counted
                 s.offer_push(handler)
             go.set()
             assert a.recv(4) == b"done" and b.recv(4) == b"done"
-            assert stranger.recv(1) == b""  # cut off when its ticket time was up (or now)
+            assert stranger.recv(1) == b"" and refused == ["UNAUTHENTICATED"]  # cut off when its 5 s were up
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the connections' ends give the counts back
             try:

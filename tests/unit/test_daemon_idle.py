@@ -27,6 +27,7 @@ def test_the_idle_clock_starts_when_the_daemon_listens(tmp_path):
         _serve(cfg, lambda port: listening.append((time.monotonic(), port)), node)
         ended.append(time.monotonic())
 
+    before = {t for t in threading.enumerate() if t.name == "ffstate-push-watchdog"}  # other tests' live daemons
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -42,7 +43,10 @@ def test_the_idle_clock_starts_when_the_daemon_listens(tmp_path):
     assert ended and ended[0] - since >= 2.0  # and then, idle, it leaves
     # and takes its threads with it: the push watchdog ended with the node (it once slept forever, in a test
     # process calling whatever a later test put in place of time.sleep)
+    def ours() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "ffstate-push-watchdog" and t not in before]
+
     deadline = time.monotonic() + 5
-    while any(t.name == "ffstate-push-watchdog" for t in threading.enumerate()) and time.monotonic() < deadline:
+    while ours() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(t.name == "ffstate-push-watchdog" for t in threading.enumerate())
+    assert not ours()
