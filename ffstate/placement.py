@@ -46,6 +46,7 @@ def topology(rank: int, world_size: int, cfg: Config) -> Topology:
         per = world_size // num_nodes
         if per * num_nodes != world_size:
             raise FFStateError(f"simulated_nodes={num_nodes} does not divide world size {world_size}")
+        _check_ports(cfg, num_nodes)
         node = rank // per
     else:
         per = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -55,6 +56,18 @@ def topology(rank: int, world_size: int, cfg: Config) -> Topology:
         node = int(os.environ.get("GROUP_RANK", rank // per))
     node_id = cfg.node_id if cfg.node_id and not cfg.simulated_nodes else f"node{node}"
     return Topology(rank, world_size, node, num_nodes, tuple(range(node * per, (node + 1) * per)), node_id)
+
+
+def _check_ports(cfg: Config, num_nodes: int) -> None:
+    """Simulated nodes share one host, so node n's daemon listens on each configured port + n: the last node's must
+    be a TCP port. Raised at every rank's start, before a daemon is started."""
+    ports = {"base_port (FFSTATE_BASE_PORT)": cfg.base_port, "metrics_port (FFSTATE_METRICS_PORT)": cfg.metrics_port,
+             "bulk_port (FFSTATE_BULK_PORT)": cfg.bulk_port}
+    for what, port in ports.items():
+        if port > 0 and port + num_nodes - 1 > 65535:
+            raise FFStateError(f"{what} {port}: simulated node {num_nodes - 1}'s daemon would listen on "
+                               f"{port + num_nodes - 1}, past 65535 (simulated nodes take the port + their index); "
+                               "choose a lower one")
 
 
 def holder_nodes(node: int, num_nodes: int, k: int) -> list[int]:

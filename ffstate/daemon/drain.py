@@ -66,8 +66,10 @@ class Drainer:
     """The drains of this node's jobs. ``shards()`` returns the local shards (``LocalShard``: key, slots, holders,
     replicated_version); ``kill`` is replaceable for tests."""
 
-    def __init__(self, shards: Callable[[], list], kill: Callable[[int, int], None] = os.kill):
+    def __init__(self, shards: Callable[[], list], kill: Callable[[int, int], None] = os.kill,
+                 done: threading.Event | None = None):
         self.shards, self.kill = shards, kill
+        self._done = done if done is not None else threading.Event()  # the node's, set as it closes: the thread ends
         self.drains: dict[str, Drain] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -152,7 +154,8 @@ class Drainer:
                     self._look(d)
                 if not active:
                     return
-            time.sleep(LOOK)
+            if self._done.wait(LOOK):
+                return
 
     def _look(self, d: Drain) -> None:
         rows = [(s, *_progress(s)) for s in self._of(d.job)]

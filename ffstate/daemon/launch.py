@@ -241,16 +241,19 @@ def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
 
 
 def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: Path) -> DaemonConfig:
-    """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``."""
+    """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``: its metrics
+    port and bulk socket at ``Config``'s, or, where simulated nodes share one host, node n's at theirs + n (as the
+    daemon's own port: ``placement.daemon_address``)."""
     host, port = address.rsplit(":", 1)
+    shift = node if cfg.simulated_nodes else 0
     return DaemonConfig(
         host=host, port=int(port), node_id=node_id, exit_when_empty=True, idle_exit=cfg.daemon_idle_exit,
         pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag + 1,
         memory_limit=parse_bytes(cfg.daemon_memory_limit) if cfg.daemon_memory_limit else 0,
         scheduler=cfg.scheduler, link_share=cfg.link_share,
         link_bandwidth=parse_bytes(cfg.link_bandwidth) if cfg.link_bandwidth else 0,
-        metrics_port=cfg.metrics_port + node if cfg.metrics_port else 0, hang_action=cfg.hang_action,
-        bulk_port=cfg.bulk_port + node if cfg.bulk_port > 0 else cfg.bulk_port,
+        metrics_port=cfg.metrics_port + shift if cfg.metrics_port else 0, hang_action=cfg.hang_action,
+        bulk_port=cfg.bulk_port + shift if cfg.bulk_port > 0 else cfg.bulk_port,
         hang_multiple=cfg.hang_multiple, hang_floor=cfg.hang_floor, hang_ceiling=cfg.hang_ceiling,
         hang_startup=cfg.hang_startup, straggler_ratio=cfg.straggler_ratio,
         persist_dir=Path(cfg.persist_dir) if cfg.persist_dir else None, persist_every=cfg.persist_every,

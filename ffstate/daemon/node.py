@@ -83,8 +83,8 @@ class Node:
             log.warning("removed %s, left by a daemon of node %s that is gone", path, cfg.node_id)
         self.watchdog = Watchdog(cfg, lambda: [(s.key, s.slots) for s in self._shards()])
         self.watchdog.start()
-        self.drainer = Drainer(self._shards)
         self.done = done if done is not None else threading.Event()  # --exit-when-empty, or a stop signal
+        self.drainer = Drainer(self._shards, done=self.done)
         try:  # rung by the workers after each commit
             self.doorbell: shm.Doorbell | None = shm.Doorbell(cfg.node_id, self.touch)
         except OSError as e:  # no abstract Unix sockets here: the replicator's look at the slots still finds commits

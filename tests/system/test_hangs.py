@@ -10,7 +10,6 @@ The job is the demo's (4 ranks as 2 simulated nodes, DDP + ZeRO), with the watch
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ import pytest
 
 from ffstate.bench import chaos
 from ffstate.bench._report import free_ports
+from helpers import kill_daemons
 
 pytestmark = pytest.mark.timeout(600)
 KNOBS = {"FFSTATE_HANG_FLOOR": "3", "FFSTATE_HANG_STARTUP": "30"}
@@ -116,11 +116,10 @@ def test_a_rank_that_left_replicate_and_stays_in_its_process_is_not_taken_for_hu
     finally:
         for name, (job, p) in procs.items():
             p.kill()
-            for pid_file in (tmp_path / name).glob(f"ffstate-{job}/daemon-*.pid"):
-                logs[name] = pid_file.with_suffix(".log").read_text()
-                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            logs[name] = "".join(f.read_text() for f in (tmp_path / name).glob(f"ffstate-{job}/daemon-*.log"))
+            kill_daemons((tmp_path / name).glob(f"ffstate-{job}/daemon-*.pid"))
     for name, ((out, err), rc) in got.items():
         assert rc == 0 and "stayed" in out, (name, rc, err[-3000:])
-        assert "is hung" not in logs[name], (name, logs[name][-3000:])
+        assert logs[name] and "is hung" not in logs[name], (name, logs[name][-3000:])  # its daemon's log, read
     assert "not watched for hangs" in got["no launcher"][0][1] and "not watched" not in got["in-process"][0][1]
     assert "rank 0: leaving with InterruptedError" in got["in-process"][0][1]  # left, and still watched

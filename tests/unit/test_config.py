@@ -1,5 +1,7 @@
 """ffstate/config.py: defaults, FFSTATE_* overrides, validation, and the daemon's configuration as flags."""
 
+import dataclasses
+
 import pytest
 
 from ffstate import Config
@@ -40,10 +42,14 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
     got = DaemonConfig.from_args(args, token=want.token)
     assert got == want
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
-        7801, "node1", 7, 3 << 29, 25 << 20, 9101)  # keep_deltas: max_lag + 1
+        7801, "node1", 7, 3 << 29, 25 << 20, 9100)  # keep_deltas: max_lag + 1
     assert (got.persist_dir, got.persist_nice, got.nice, got.cpus) == (tmp_path, 7, 19, "60-63")
-    assert got.bulk_port == 7901  # node n's daemon: bulk_port + n; 0 (the kernel's pick) and -1 (off) pass as they are
-    assert [daemon_config(Config(bulk_port=p), 1, "n1", "h:1", tmp_path).bulk_port for p in (0, -1)] == [0, -1]
+    assert got.bulk_port == 7900  # every node's daemon on the same ports: a firewall rule and a scrape config for all
+    simulated = daemon_config(dataclasses.replace(cfg, simulated_nodes=2), 1, "node1", "127.0.0.1:7801", tmp_path)
+    assert (simulated.metrics_port, simulated.bulk_port) == (9101, 7901)  # nodes sharing a host: port + node
+    # 0 (the kernel's pick) and -1 (off) pass as they are
+    assert [daemon_config(Config(bulk_port=p, simulated_nodes=2), 1, "n1", "h:1", tmp_path).bulk_port
+            for p in (0, -1)] == [0, -1]
     assert "--token" not in " ".join(want.to_args())
     with pytest.raises(ValueError, match="go together"):
         DaemonConfig(tls_cert=tmp_path / "cert.pem")

@@ -1,9 +1,10 @@
 """The daemon's side of a drain (``daemon/drain.py``) over a rank's real slots in shared memory, the worker's side
 played by hand through the slot header: a drain that stays (``ffstate drain --stay``) and is then asked to leave,
-and one whose ranks gave up their hold."""
+and one whose ranks gave up their hold; the drains' thread ends with its node."""
 
 import os
 import signal
+import threading
 import time
 from types import SimpleNamespace
 
@@ -47,6 +48,21 @@ def test_a_drain_that_stays_asked_again_to_leave_leaves(rank):
     drainer.request("j", leave=True)  # `ffstate drain` without --stay, later
     until(drainer, "left")
     assert kills == [(agent_of(os.getpid()), signal.SIGTERM)]
+
+
+def test_the_thread_following_a_drain_that_stays_ends_when_its_node_closes(rank):
+    shard, worker = rank
+    done = threading.Event()  # the node's, which Node.close sets
+    drainer = Drainer(lambda: [shard], kill=lambda pid, sig: None, done=done)
+    drainer.request("j", leave=False)
+    worker.set_drained(7)
+    until(drainer, "drained")
+    thread = drainer._thread
+    thread.join(0.5)
+    assert thread.is_alive()  # a drain that stays is followed as long as the node runs (its ranks may give it up)
+    done.set()
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_a_drain_whose_ranks_gave_up_their_hold_is_over_and_a_new_request_drains_again(rank):
