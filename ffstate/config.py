@@ -51,7 +51,7 @@ class Config:
         daemon_host: the address this node's daemon listens on and is reached at by the other nodes; "" finds
             it as the job's own traffic does (``placement.local_address``: the collectives' interface, else the
             route to the rendezvous host, else the host name; 127.0.0.1 for simulated nodes).
-        base_port: each node's daemon listens on it (simulated node n's on it + n; the next port when taken).
+        base_port: each node's daemon listens on it (simulated node n's on it + n; a later one when held).
         start_daemon: start the node's daemon when none answers (it outlives worker restarts and
             exits when the job is over or after ``daemon_idle_exit`` seconds without a request or a commit).
         daemon_memory_limit: the started daemon's budget (``--memory-limit``, e.g. ``8G``); "" is its default.
@@ -91,9 +91,9 @@ class Config:
         link_share: share of each link's estimated bandwidth replication may use.
         link_bandwidth: the links' bandwidth in bytes per second (e.g. ``25M`` for 200 Mbit/s) when
             known; "" measures it from the first push and follows it.
-        metrics_port: Prometheus metrics of each started daemon on this port (simulated node n's: + n); 0: off.
-        bulk_port: each started daemon's bulk socket (chunks of pushes, restores) on it (simulated node n's: + n); 0:
-            a port the kernel picks; -1: none. Unreachable, fetches go over gRPC: pin it behind a firewall.
+        metrics_port: Prometheus metrics of each started daemon on it, moved as far as its own port (base_port); 0: off.
+        bulk_port: each started daemon's bulk socket (pushes' and restores' chunks), moved as base_port; 0: a port
+            the kernel picks; -1: none. Unreachable, fetches go over gRPC: pin it behind a firewall.
         razor_verify_every: the group compares checksums of the entries it believes identical at
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.

@@ -37,6 +37,7 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     Raises:
         ReplicaUnavailable: nothing answers within ``connect_timeout``.
         ReplicaError: a daemon of another job (token) answers where ``start_daemon`` is off.
+        FFStateError: the daemons started exited without answering ``EXITS_TRIED`` times (the log's last line said).
     """
     topo, cfg = job.topology, job.cfg
     address = lost or placement.daemon_address(topo.node, cfg)
@@ -60,15 +61,23 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     starts = cfg.start_daemon and (topo.first_on_node or lost)
     deadline = time.monotonic() + cfg.connect_timeout
     pid = _start_once(job, address, client) if starts else 0
+    exited = 0
     while True:
         try:
             client.inventory(job.job)
             break
         except ReplicaUnavailable:
             if pid and not alive(pid) and lost is None:
-                # It could not listen there (a port another program took after it was found free): the next one.
+                # It could not listen there (a port another program took after it was found free): the next one, a few
+                # times (a daemon that cannot start for another reason, or on any port, fails each time).
+                exited += 1
+                why = _log_tail(job.run_dir, topo.node_id)
+                if exited >= EXITS_TRIED or time.monotonic() > deadline:
+                    raise FFStateError(f"rank {job.rank}: the daemon started for {topo.node_id} exited without "
+                                       f"answering on {exited} port(s), the last {address}: {why} (its log: "
+                                       f"{job.run_dir / f'daemon-{topo.node_id}.log'})")
                 log.warning("rank %d: the daemon started for %s at %s exited without answering (%s); trying the "
-                            "next port", job.rank, topo.node_id, address, _log_tail(job.run_dir, topo.node_id))
+                            "next port", job.rank, topo.node_id, address, why)
                 address = _claim(job, address, skip=address)
                 client = job.client(address)
                 pid = _start_once(job, address, client)
@@ -141,6 +150,7 @@ def _log_tail(run_dir: Path, node_id: str) -> str:
 
 
 PORTS_TRIED = 16  # ports a node's first rank tries past the daemon port when other jobs' daemons hold them
+EXITS_TRIED = 3  # daemons a node's first rank starts, each on the next port, that exit before they answer
 
 
 def _claim(job: Job, address: str, skip: str = "") -> str:
@@ -241,11 +251,13 @@ def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
 
 
 def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: Path) -> DaemonConfig:
-    """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``: its metrics
-    port and bulk socket at ``Config``'s, or, where simulated nodes share one host, node n's at theirs + n (as the
-    daemon's own port: ``placement.daemon_address``)."""
+    """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``. Its metrics
+    port and bulk socket move with its own port: on the configured ones where it listens on ``base_port``; as many
+    ports on where it does not (simulated node n's at the ports + n; a daemon of another job holds the port, and
+    ``_claim`` chose a later one: every port it opens moves by as much, so that two jobs' daemons on one host never
+    want the same one)."""
     host, port = address.rsplit(":", 1)
-    shift = node if cfg.simulated_nodes else 0
+    shift = int(port) - cfg.base_port if 0 < cfg.base_port <= int(port) else 0
     return DaemonConfig(
         host=host, port=int(port), node_id=node_id, exit_when_empty=True, idle_exit=cfg.daemon_idle_exit,
         pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag + 1,

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 import ffstate
 from ffstate import capture
 from ffstate.bench._report import free_ports
+from ffstate.daemon.running import alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,11 +91,13 @@ def test_a_razor_declaration_that_names_nothing_and_a_state_dict_of_copies_are_r
 
 def test_a_daemon_left_by_a_job_that_ended_badly_blocks_no_one_and_status_finds_it(tmp_path):
     """Job A is SIGKILLed and leaves its daemon up (it waits out its idle time); job B, another token on the same
-    machine and port, starts its daemon on the next port and trains. `ffstate status`, no flags and no token given,
-    finds A's daemon from A's run folder, and piped, cuts no column."""
-    port = free_ports(3)
+    machine and ports (the bulk socket's and the metrics' pinned), starts its daemon on the next port, its other
+    ports moved as far, and trains. `ffstate status`, no flags and no token given, finds A's daemon from A's run
+    folder, and piped, cuts no column."""
+    port, bulk, metrics = free_ports(3), free_ports(2), free_ports(2)
     single = Path(__file__).resolve().parents[1] / "procs" / "single.py"
-    base = {**os.environ, "OMP_NUM_THREADS": "1", "FFSTATE_BASE_PORT": str(port), "TMPDIR": str(tmp_path)}
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "FFSTATE_BASE_PORT": str(port), "TMPDIR": str(tmp_path),
+            "FFSTATE_BULK_PORT": str(bulk), "FFSTATE_METRICS_PORT": str(metrics)}
     base.pop("FFSTATE_TOKEN", None)
     a_job, b_job = f"stale-a-{uuid.uuid4().hex}", f"next-b-{uuid.uuid4().hex}"
     a_env = {**base, "FFSTATE_JOB_ID": a_job, "FFSTATE_TOKEN": "token-a"}
@@ -112,6 +116,12 @@ def test_a_daemon_left_by_a_job_that_ended_badly_blocks_no_one_and_status_finds_
         assert b.returncode == 0, b.stderr[-3000:]
         assert "held by a daemon of another job" in b.stderr, b.stderr[-3000:]
         assert (tmp_path / "b" / "final.pt").exists()
+        logs = {j: (tmp_path / f"ffstate-{j}" / "daemon-node0.log").read_text() for j in (a_job, b_job)}
+        assert f"bulk socket {bulk})" in logs[a_job] and f"bulk socket {bulk + 1})" in logs[b_job], logs[b_job][-3000:]
+        b_daemon = int((tmp_path / f"ffstate-{b_job}" / "daemon-node0.starting").read_text())
+        deadline = time.monotonic() + 30  # B's daemon exits with its job: gone, it is not listed as unreachable
+        while alive(b_daemon) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
         status = subprocess.run([sys.executable, "-m", "ffstate.cli", "status"], capture_output=True, text=True,
                                 env={**base, "COLUMNS": "80"}, timeout=60)
@@ -154,6 +164,22 @@ def test_a_port_another_program_holds_moves_the_daemon_on_and_a_restart_finds_it
         if daemon_pid:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(daemon_pid, 9)
+
+
+def test_a_daemon_that_cannot_start_fails_the_rank_with_its_reason_after_three_ports(tmp_path):
+    """A daemon that exits at its start whatever its port (here: told to run on CPUs this machine does not have)
+    is tried on three ports, and the rank then fails saying why, from the daemon's log (it climbed the ports without
+    end before)."""
+    single = Path(__file__).resolve().parents[1] / "procs" / "single.py"
+    cpu = (os.cpu_count() or 1) + 8
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FFSTATE_BASE_PORT": str(free_ports(4)), "TMPDIR": str(tmp_path),
+           "FFSTATE_JOB_ID": f"nocpu-{uuid.uuid4().hex}", "FFSTATE_TOKEN": "token-nocpu", "FFSTATE_DAEMON_CPUS": str(cpu)}
+    out = subprocess.run([sys.executable, str(single), str(tmp_path), "3"], capture_output=True, text=True, env=env,
+                         timeout=90)
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert out.stderr.count("exited without answering") == 3, out.stderr[-3000:]  # two warnings, then the error
+    assert "exited without answering on 3 port(s)" in out.stderr, out.stderr[-3000:]
+    assert f"--cpus {cpu}: none of these CPUs can be used here" in out.stderr, out.stderr[-3000:]
 
 
 def test_status_with_no_daemon_on_the_node_says_how_to_name_one(tmp_path):

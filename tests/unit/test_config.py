@@ -37,16 +37,20 @@ def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
     cfg = Config(replicas=1, max_lag=6, daemon_memory_limit="1.5G", daemon_idle_exit=42.0, scheduler="naive",
                  link_share=0.25, link_bandwidth="25M", metrics_port=9100, base_port=7800, persist_dir=str(tmp_path),
                  persist_nice="7", daemon_nice="19", daemon_cpus="60-63", bulk_port=7900)
-    want = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)
+    want = daemon_config(cfg, 1, "node1", "10.0.0.2:7800", tmp_path)
     args = build_parser().parse_args(["serve", *want.to_args()])
     got = DaemonConfig.from_args(args, token=want.token)
     assert got == want
     assert (got.port, got.node_id, got.keep_deltas, got.memory_limit, got.link_bandwidth, got.metrics_port) == (
-        7801, "node1", 7, 3 << 29, 25 << 20, 9100)  # keep_deltas: max_lag + 1
+        7800, "node1", 7, 3 << 29, 25 << 20, 9100)  # keep_deltas: max_lag + 1
     assert (got.persist_dir, got.persist_nice, got.nice, got.cpus) == (tmp_path, 7, 19, "60-63")
     assert got.bulk_port == 7900  # every node's daemon on the same ports: a firewall rule and a scrape config for all
-    simulated = daemon_config(dataclasses.replace(cfg, simulated_nodes=2), 1, "node1", "127.0.0.1:7801", tmp_path)
-    assert (simulated.metrics_port, simulated.bulk_port) == (9101, 7901)  # nodes sharing a host: port + node
+    moved = daemon_config(cfg, 1, "node1", "10.0.0.2:7801", tmp_path)  # a daemon of another job held 7800
+    assert (moved.metrics_port, moved.bulk_port) == (9101, 7901)  # its other ports move as far as its own
+    sim = dataclasses.replace(cfg, simulated_nodes=2)
+    assert [(d.metrics_port, d.bulk_port) for d in (daemon_config(sim, 1, "node1", "127.0.0.1:7801", tmp_path),
+                                                     daemon_config(sim, 1, "node1", "127.0.0.1:7803", tmp_path))] == [
+        (9101, 7901), (9103, 7903)]  # nodes sharing a host: port + node, and + the nodes' count a port moved
     # 0 (the kernel's pick) and -1 (off) pass as they are
     assert [daemon_config(Config(bulk_port=p, simulated_nodes=2), 1, "n1", "h:1", tmp_path).bulk_port
             for p in (0, -1)] == [0, -1]
