@@ -257,7 +257,7 @@ def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: P
     ``_claim`` chose a later one: every port it opens moves by as much, so that two jobs' daemons on one host never
     want the same one)."""
     host, port = address.rsplit(":", 1)
-    shift = int(port) - cfg.base_port if 0 < cfg.base_port <= int(port) else 0
+    shift = int(port) - cfg.base_port if 0 < cfg.base_port <= int(port) else (node if cfg.simulated_nodes else 0)
     return DaemonConfig(
         host=host, port=int(port), node_id=node_id, exit_when_empty=True, idle_exit=cfg.daemon_idle_exit,
         pid_file=run_dir / f"daemon-{node_id}.pid", keep_deltas=cfg.max_lag + 1,

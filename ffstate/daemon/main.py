@@ -176,29 +176,32 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
 
 
 def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -> int:
-    bulk = None
-    try:
+    bulk = metrics = None
+    try:  # every other port bound before the gRPC one answers: a daemon that answers keeps running
         if cfg.bulk_port >= 0 and not cfg.tls_cert:  # under TLS every byte stays on the encrypted channel
             try:
                 bulk = BulkServer(cfg.host, cfg.bulk_port, node.release, node.touch, node.refused)
             except OSError as e:
                 raise FFStateError(f"cannot listen for bulk fetches on {cfg.host}:{cfg.bulk_port} (--bulk-port): {e}"
                                    ) from e
-        server, port = start_server(node, cfg, bulk)
-    except BaseException:
-        if bulk is not None:
-            bulk.close()
-        node.close()
-        raise
-    metrics = None
-    try:
         if cfg.metrics_port:
             from ffstate.daemon.metrics import serve_metrics
 
             try:
                 metrics = serve_metrics(node.report, cfg.host, cfg.metrics_port)
-            except OSError as e:
-                raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from e
+            except (OSError, OverflowError) as e:  # OverflowError: a port past 65535
+                raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} (--metrics-port): {e}"
+                                   ) from e
+        server, port = start_server(node, cfg, bulk)
+    except BaseException:
+        if bulk is not None:
+            bulk.close()
+        if metrics is not None:
+            metrics.shutdown()
+            metrics.server_close()
+        node.close()
+        raise
+    try:
         log.info("scheduler: %s, link share %.2f, link bandwidth %s", node.replicator.pacer.name, cfg.link_share,
                  f"{cfg.link_bandwidth / 1e6:.1f} MB/s" if cfg.link_bandwidth else "measured")
         log.info("ffstate daemon %s serving on %s:%d (%s; bulk socket %s), budget %d bytes, peers %s", cfg.node_id,
