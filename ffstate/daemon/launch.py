@@ -252,10 +252,9 @@ def check_holders(job: Job, nodes: list[int], addresses: list[str]) -> None:
 
 def daemon_config(cfg: Config, node: int, node_id: str, address: str, run_dir: Path) -> DaemonConfig:
     """The configuration of the daemon a worker starts for node ``node`` (``node_id``) at ``address``. Its metrics
-    port and bulk socket move with its own port: on the configured ones where it listens on ``base_port``; as many
-    ports on where it does not (simulated node n's at the ports + n; a daemon of another job holds the port, and
-    ``_claim`` chose a later one: every port it opens moves by as much, so that two jobs' daemons on one host never
-    want the same one)."""
+    port and bulk socket are moved as far as its own port is from ``base_port``: none on a real node; + n for
+    simulated node n; and as much again where ``_claim`` moved it past a daemon of another job (two jobs' daemons on
+    one host never want the same port)."""
     host, port = address.rsplit(":", 1)
     shift = int(port) - cfg.base_port if 0 < cfg.base_port <= int(port) else (node if cfg.simulated_nodes else 0)
     return DaemonConfig(
