@@ -37,7 +37,8 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     Raises:
         ReplicaUnavailable: nothing answers within ``connect_timeout``.
         ReplicaError: a daemon of another job (token) answers where ``start_daemon`` is off.
-        FFStateError: the daemons started exited without answering ``EXITS_TRIED`` times (the log's last line said).
+        FFStateError: the daemon started exited without answering, for another reason than a port held, or
+            ``EXITS_TRIED`` times (its log's last line said).
     """
     topo, cfg = job.topology, job.cfg
     address = lost or placement.daemon_address(topo.node, cfg)
@@ -69,10 +70,10 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
         except ReplicaUnavailable:
             if pid and not alive(pid) and lost is None:
                 # It could not listen there (a port another program took after it was found free): the next one, a few
-                # times (a daemon that cannot start for another reason, or on any port, fails each time).
+                # times. A daemon that exited for another reason (its settings) fails the same way anywhere: said now.
                 exited += 1
                 why = _log_tail(job.run_dir, topo.node_id)
-                if exited >= EXITS_TRIED or time.monotonic() > deadline:
+                if exited >= EXITS_TRIED or not any(p in why for p in PORT_TAKEN) or time.monotonic() > deadline:
                     raise FFStateError(f"rank {job.rank}: the daemon started for {topo.node_id} exited without "
                                        f"answering on {exited} port(s), the last {address}: {why} (its log: "
                                        f"{job.run_dir / f'daemon-{topo.node_id}.log'})")
@@ -151,6 +152,7 @@ def _log_tail(run_dir: Path, node_id: str) -> str:
 
 PORTS_TRIED = 16  # ports a node's first rank tries past the daemon port when other jobs' daemons hold them
 EXITS_TRIED = 3  # daemons a node's first rank starts, each on the next port, that exit before they answer
+PORT_TAKEN = ("cannot listen", "cannot serve metrics")  # a daemon's last words where one of its ports was held
 
 
 def _claim(job: Job, address: str, skip: str = "") -> str:
