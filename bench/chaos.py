@@ -13,7 +13,8 @@ and without ffstate, and both runs' final parameters, optimizer shards and extra
 
 Reported: each failure (kind, step, v*, steps lost, downtime: the kill to the first step committed
 after it), a summary per kind, each daemon's RSS and accounted bytes first and last, and after the job
-the accounted bytes each daemon logged as it exited and the job's files left in /dev/shm.
+the bytes still accounted by each daemon that exited at the job's end, once stopped (its offers and calls
+closed), and the job's files left in /dev/shm.
 
 Usage: ``ffstate bench chaos [--failures 20] [--seed 0] [--gap 4]``. Prints a table; writes
 ``bench/results/chaos.json`` and a PNG of memory over time with the failures marked.
@@ -239,8 +240,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
             if kept.exists():
                 shutil.copy(kept, failing / kept.name)
     shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
-    exits = [int(m) for log in failing.glob("daemon-*.log")
-             for m in re.findall(r"exiting, (\d+) bytes accounted", log.read_text())]
+    exits = [int(m) for log in failing.glob("daemon-*.log") if "(--exit-when-empty): exiting" in log.read_text()
+             for m in re.findall(r"daemon \S+ stopped, (\d+) bytes accounted", log.read_text())]
     ref_wall = _torchrun(reference, steps, ["--no-ffstate", *worker], env, work / "reference.log", 0, timeout, world)
     diffs = compare_runs(failing, reference, world)
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),

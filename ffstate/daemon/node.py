@@ -294,8 +294,7 @@ class Node:
             self._close_local(s)
         # Only the job's end empties an auto-started daemon (a relayout re-attaches; a resized job trains on).
         if self.cfg.exit_when_empty and rank is None and world is None and not self.local and not self.store.inventory():
-            log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting, %d bytes "
-                     "accounted", self.store.used)
+            log.info("nothing attached or held after the job's drop (--exit-when-empty): exiting")
             self.done.set()
         return n + len(shards)
 

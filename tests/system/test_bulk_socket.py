@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from daemons import TOKEN, make_tls
+from daemons import TOKEN, make_tls, wait_until
 from ffstate import codec
 from ffstate._proto import replica_pb2 as pb
 from ffstate._proto import replica_pb2_grpc as pb_grpc
@@ -188,3 +188,34 @@ def test_a_stalled_bulk_push_is_cut_off_and_a_chunk_past_the_limit_refused_unrea
         assert status.rstrip(b"\0") == b"RESOURCE_EXHAUSTED" and b"more than the limit" in answer[RESULT.size:]
         assert not [x for x in c.inventory(JOB).shards if not x.local]  # nothing held, nothing left staged
     assert "refused PushBulk: CANCELLED" in d.log()
+
+
+def test_a_fetch_whose_caller_left_while_it_was_encoded_offers_nothing_and_holds_no_memory(daemons):
+    """A rank killed (or timed out) while the daemon encodes its fetch from the slots: the daemon gives the two copies'
+    memory back at once instead of offering a ticket nobody claims, which would hold it for ``TICKET_TTL``."""
+    import torch
+
+    from ffstate import layout, shm
+    from ffstate.commit import SlotWriter
+
+    d = daemons.start()
+    state = {"w": torch.randn(16 << 20, generator=torch.Generator().manual_seed(0))}  # 64 MB: encoded in tens of ms
+    manifest = layout.describe(state)
+    with d.client() as c, grpc.insecure_channel(d.address) as ch:
+        slots = shm.Slots(list(c.attach("left", 0, 1, manifest).slot_paths), manifest)
+        try:
+            SlotWriter(slots).commit(state, 1)
+            baseline = c.inventory().bytes_used  # the slots' reservation
+            stub = pb_grpc.ReplicaStub(ch)
+            for deadline in (0.01, 0.02, 0.05, 0.1, 0.2):  # one short enough to leave while the encoding runs
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.FetchBulk(pb.FetchRequest(shard=shard("left", 0, 1), version=1), metadata=META,
+                                   timeout=deadline)
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                # The two copies given back once the encoding ends (tens of ms), not TICKET_TTL (10 s) later.
+                wait_until(lambda: c.inventory().bytes_used == baseline, 3.0, "the fetch's memory given back")
+                if "refused FetchBulk: CANCELLED" in d.log():  # the handler ran, and found its caller gone
+                    break
+            assert "refused FetchBulk: CANCELLED" in d.log(), d.log()[-2000:]
+        finally:
+            slots.close()
