@@ -153,7 +153,8 @@ def test_a_port_another_program_holds_moves_the_daemon_on_and_a_restart_finds_it
                                    capture_output=True, text=True, env=env, timeout=90)
         assert first.returncode == -9, first.stderr[-3000:]
         assert "exited without answering" in first.stderr and "trying the next port" in first.stderr, first.stderr[-3000:]
-        assert (run_dir / "daemon-node0.address").read_text().endswith(f":{port + 1}")
+        moved = int((run_dir / "daemon-node0.address").read_text().rsplit(":", 1)[1])
+        assert port < moved <= port + 2, moved  # the next port, or the one after where a test beside took that
         daemon_pid = int((run_dir / "daemon-node0.pid").read_text())
         again = subprocess.run([sys.executable, str(single), str(tmp_path), "5"], capture_output=True, text=True,
                                env=env, timeout=90)
