@@ -240,8 +240,9 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
             if kept.exists():
                 shutil.copy(kept, failing / kept.name)
     shm_left = sorted(p.name for p in Path("/dev/shm").glob(f"*{job}*"))
-    exits = [int(m) for log in failing.glob("daemon-*.log") if "(--exit-when-empty): exiting" in log.read_text()
-             for m in re.findall(r"daemon \S+ stopped, (\d+) bytes accounted", log.read_text())]
+    exits = [int(m) for log in failing.glob("daemon-*.log")  # the stop that follows each exit at the job's end
+             for m in re.findall(r"\(--exit-when-empty\): exiting\n(?:.*\n)*?.*daemon \S+ stopped, (\d+) bytes accounted",
+                                 log.read_text())]
     ref_wall = _torchrun(reference, steps, ["--no-ffstate", *worker], env, work / "reference.log", 0, timeout, world)
     diffs = compare_runs(failing, reference, world)
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
