@@ -326,6 +326,23 @@ def test_a_second_daemon_on_a_port_in_use_fails_clearly(daemons):
         assert c.inventory().node_id == d.node_id  # the first one still serves, alone
 
 
+
+@pytest.mark.parametrize("flag, says", [("--metrics-port", "cannot serve metrics on"),
+                                        ("--bulk-port", "cannot listen for bulk fetches on")])
+def test_a_held_metrics_or_bulk_port_stops_the_daemon_before_it_answers_saying_which(daemons, flag, says):
+    """Its other ports are bound before the gRPC one answers: a daemon that announced itself keeps running."""
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        held = squatter.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "ffstate.cli", "serve", "--node-id", "held", "--host", "127.0.0.1",
+                              "--port", "0", flag, str(held), "--token-file", str(daemons.token_file)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and f"{says} 127.0.0.1:{held} ({flag})" in out.stderr, out
+    assert "listening on" not in out.stdout and "serving on" not in out.stderr, out
+
 def test_tls_with_token(daemons, tmp_path, states):
     tls, cert, key, _ = make_tls(tmp_path)
     d = daemons.start("--tls-cert", str(cert), "--tls-key", str(key))
