@@ -259,8 +259,8 @@ class Servicer:
             if self.bulk is None:
                 raise ReplicaError("this daemon has no bulk socket (TLS, or --bulk-port -1): use Fetch", "UNIMPLEMENTED")
             version, chunks, reserved = self._fetched(request)
-            if not context.is_active():  # the caller went (killed, or timed out) while it was encoded: no offer
-                self.node.release(reserved)  # waits out its ticket's time holding the memory
+            if not context.is_active() or context.time_remaining() <= 0:  # the caller went (killed, or its deadline
+                self.node.release(reserved)  # passed) while this was encoded: no offer holding the memory for 10 s
                 raise ReplicaError("the caller is gone", "CANCELLED")
             ticket = self.bulk.offer(version, chunks, reserved, str(_key(request.shard)))  # it owns the reservation
             return pb.BulkTicket(ticket=ticket, port=self.bulk.port, version=version, chunks=len(chunks))

@@ -154,8 +154,11 @@ def test_remote_daemon_killed_and_restarted_is_reseeded(daemons, tmp_path):
     assert_bitwise_equal(codec.decode(cb.fetch("j4", 0, 2)), states[4])
     # The restarted B had nothing to apply a delta to, so A re-seeded it with a full version (of whichever
     # version its slots held when the worker re-attached: 2, 3, 4 or 5).
-    fulls = re.findall(r"pushed j4/rank 0 of 2 version (\d) to \S+: full", a.log())
-    assert len(fulls) == 2, a.log()[-2000:]  # the first seed, then the re-seed
+    def fulls() -> list[str]:  # A logs a push once B has answered it: after B holds it
+        return re.findall(r"pushed j4/rank 0 of 2 version (\d) to \S+: full", a.log())
+
+    wait_until(lambda: len(fulls()) >= 2, 10.0, "A's log line of the re-seed")
+    assert len(fulls()) == 2, a.log()[-2000:]  # the first seed, then the re-seed
 
 
 def test_an_unreachable_holder_gets_nothing_encoded_until_it_answers_then_its_full_version(daemons, tmp_path):

@@ -193,7 +193,7 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
     """The stores' host counts the job's processes by their heartbeats through the store, not by pid files on its
     own node: a process elsewhere (here one with no file in any run folder) keeps it past its idle exit, and once
     the last heartbeat stops the host exits on its own."""
-    port, idle_exit = free_ports(1), 3
+    port, idle_exit = free_ports(2), 3  # the host's two stores: port and port + 1
     # The process that beats is started first and finds nothing listening for a while, as a process on another node
     # may: `heartbeat` looks for the host every 50 ms, so its first beat comes within the host's idle exit however
     # long it waited (torch's own connect retries back off to seconds: 7.6 s after 10 s of refusals, measured, and a
