@@ -28,6 +28,7 @@ from ffstate.errors import ReplicaError
 log = logging.getLogger("ffstate.daemon")
 
 TICKET_TTL = 10.0  # seconds an offer waits for its connection
+CLOSE_WAIT = 2.0  # seconds ``close`` waits for the connections it cut off to end
 MAX_OFFERS = 64
 STRANGERS = 16  # places beyond the offers' for connections whose ticket is not read yet
 HELLO_TIMEOUT = 5.0
@@ -130,6 +131,9 @@ class BulkServer:
                 pass
         self._sock.close()
         self._thread.join(5.0)
+        by = time.monotonic() + CLOSE_WAIT  # the connections cut off end, giving their offers back, before the
+        while self._live and time.monotonic() < by:  # daemon counts what it still holds
+            time.sleep(0.01)
 
     # ------------------------------------------------------------ connections
 

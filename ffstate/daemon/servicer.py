@@ -235,7 +235,7 @@ class Servicer:
             else:
                 chunks = [packed.chunks[i] for i in wanted]
             return version, chunks[request.first_chunk :: request.chunk_step or 1], reserved
-        except ReplicaError:
+        except BaseException:  # refused (or a bug): nothing is sent, the copies go back
             self.node.release(reserved)
             raise
 

@@ -326,7 +326,6 @@ def test_a_second_daemon_on_a_port_in_use_fails_clearly(daemons):
         assert c.inventory().node_id == d.node_id  # the first one still serves, alone
 
 
-
 @pytest.mark.parametrize("flag, says", [("--metrics-port", "cannot serve metrics on"),
                                         ("--bulk-port", "cannot listen for bulk fetches on")])
 def test_a_held_metrics_or_bulk_port_stops_the_daemon_before_it_answers_saying_which(daemons, flag, says):
@@ -342,6 +341,7 @@ def test_a_held_metrics_or_bulk_port_stops_the_daemon_before_it_answers_saying_w
                              capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and f"{says} 127.0.0.1:{held} ({flag})" in out.stderr, out
     assert "listening on" not in out.stdout and "serving on" not in out.stderr, out
+
 
 def test_tls_with_token(daemons, tmp_path, states):
     tls, cert, key, _ = make_tls(tmp_path)
