@@ -38,7 +38,8 @@ def test_the_dashboard_is_valid_json_with_a_query_in_every_panel():
 @pytest.mark.skipif(PROMETHEUS is None, reason="Debian's prometheus is not installed (make test installs it where it "
                                                "runs as root with apt-get)")
 def test_every_panel_s_query_returns_data_from_a_real_prometheus_scraping_a_job(tmp_path):
-    metrics, web = free_ports(2), free_ports(1)
+    base = free_ports(5)  # one range, its parts apart: the daemons' 2 ports, their metrics' 2, Prometheus's
+    metrics, web = base + 2, base + 4
     (tmp_path / "prometheus.yml").write_text(f"""
 global:
   scrape_interval: 1s
@@ -56,7 +57,7 @@ scrape_configs:
     out.mkdir()
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_SIMULATED_NODES": "2",
            "FFSTATE_JOB_ID": f"dash{uuid.uuid4().hex[:6]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
-           "FFSTATE_BASE_PORT": str(free_ports(2)), "FFSTATE_METRICS_PORT": str(metrics),
+           "FFSTATE_BASE_PORT": str(base), "FFSTATE_METRICS_PORT": str(metrics),
            "FFSTATE_PERSIST_DIR": str(tmp_path / "persist"), "FFSTATE_PERSIST_EVERY": "3", "OMP_NUM_THREADS": "1",
            "TMPDIR": str(out)}
     job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
