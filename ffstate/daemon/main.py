@@ -227,8 +227,8 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
             metrics.shutdown()
             metrics.server_close()
         node.close()
-        # What is still counted once every server and offer is closed: the replicas kept, or, after the job's drop,
-        # nothing (a count here is memory that nothing gives back; offers in flight at the drop are released by now).
+        # What is still counted once every server and offer is closed (offers in flight at the job's drop are given
+        # back by now): the replicas kept; after the job's end, normally nothing (docs/deployment.md says what else).
         log.info("ffstate daemon %s stopped, %d bytes accounted", cfg.node_id, node.store.used)
         if cfg.pid_file:
             cfg.pid_file.unlink(missing_ok=True)
