@@ -329,7 +329,7 @@ def test_a_second_daemon_on_a_port_in_use_fails_clearly(daemons):
 @pytest.mark.parametrize("flag, says", [("--metrics-port", "cannot serve metrics on"),
                                         ("--bulk-port", "cannot listen for bulk fetches on")])
 def test_a_held_metrics_or_bulk_port_stops_the_daemon_before_it_answers_saying_which(daemons, flag, says):
-    """Its other ports are bound before the gRPC one answers: a daemon that announced itself keeps running."""
+    """A held metrics or bulk port: the daemon exits at its start, naming the flag and the port, never announced."""
     import socket
 
     with socket.socket() as squatter:
