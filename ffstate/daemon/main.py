@@ -176,7 +176,7 @@ def serve(cfg: DaemonConfig, ready: Callable[[int], None] | None = None, pacer: 
 
 
 def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -> int:
-    bulk = metrics = None
+    bulk = metrics = server = None
     try:  # every other port bound before the gRPC one answers: a daemon that answers keeps running
         if cfg.bulk_port >= 0 and not cfg.tls_cert:  # under TLS every byte stays on the encrypted channel
             try:
@@ -193,15 +193,6 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
                 raise FFStateError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port} (--metrics-port): {e}"
                                    ) from e
         server, port = start_server(node, cfg, bulk)
-    except BaseException:
-        if bulk is not None:
-            bulk.close()
-        if metrics is not None:
-            metrics.shutdown()
-            metrics.server_close()
-        node.close()
-        raise
-    try:
         log.info("scheduler: %s, link share %.2f, link bandwidth %s", node.replicator.pacer.name, cfg.link_share,
                  f"{cfg.link_bandwidth / 1e6:.1f} MB/s" if cfg.link_bandwidth else "measured")
         log.info("ffstate daemon %s serving on %s:%d (%s; bulk socket %s), budget %d bytes, peers %s", cfg.node_id,
@@ -219,17 +210,19 @@ def _serve(cfg: DaemonConfig, ready: Callable[[int], None] | None, node: Node) -
             if cfg.idle_exit and node.idle_seconds() > cfg.idle_exit:
                 log.info("idle for %.0fs (--idle-exit): exiting", cfg.idle_exit)
                 break
-    finally:
-        server.stop(5.0).wait(6.0)
+    finally:  # a start that failed closes what it had bound too
+        if server is not None:
+            server.stop(5.0).wait(6.0)
         if bulk is not None:
             bulk.close()
         if metrics is not None:
             metrics.shutdown()
             metrics.server_close()
         node.close()
-        # What is still counted once every server and offer is closed (offers in flight at the job's drop are given
-        # back by now): the replicas kept; after the job's end, normally nothing (docs/deployment.md says what else).
-        log.info("ffstate daemon %s stopped, %d bytes accounted", cfg.node_id, node.store.used)
-        if cfg.pid_file:
-            cfg.pid_file.unlink(missing_ok=True)
+        if server is not None:
+            # What is still counted once every server and offer is closed (offers in flight at the job's drop are
+            # given back by now): the replicas kept; after the job's end, normally nothing (docs/deployment.md).
+            log.info("ffstate daemon %s stopped, %d bytes accounted", cfg.node_id, node.store.used)
+            if cfg.pid_file:
+                cfg.pid_file.unlink(missing_ok=True)
     return 0
