@@ -234,8 +234,10 @@ def main() -> None:
                 if rank == 0:
                     with open(a.out / "progress.jsonl", "a") as f:
                         f.write(json.dumps({"step": step, "world": world, "time": time.time()}) + "\n")
-                if step == a.kill_all_after and once(a.out / f"killed-all-{step}"):
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if step == a.kill_all_after:
+                    dist.barrier()  # every rank's commit of the step is in before the first dies: torchrun stops the rest
+                    if once(a.out / f"killed-all-{step}"):
+                        os.kill(os.getpid(), signal.SIGKILL)
                 if step == a.kill_node_after and rank >= world // 2 and once(a.out / f"killed-rank{rank}-{step}"):
                     if rank == world // 2:
                         job = ffstate.job.job_id(ffstate.Config.from_env())
