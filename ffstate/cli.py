@@ -44,7 +44,7 @@ def nice_level(text: str) -> int | str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ffstate.startup import collector_paused
 
-    with collector_paused():  # the daemon's imports (torch's among them) without the collector: ffstate/startup.py
+    with collector_paused():  # the daemon's imports (grpc, NumPy, blosc2) without the collector: ffstate/startup.py
         from ffstate.config import DaemonConfig
         from ffstate.daemon.main import return_freed_memory, serve, set_cpus, set_priority
         from ffstate.errors import FFStateError

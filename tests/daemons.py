@@ -24,6 +24,7 @@ import pytest
 from ffstate import shm
 from ffstate.bench._report import free_ports
 from ffstate.client import Client, Tls
+from helpers import torch_loaded
 
 TOKEN = "test-token-" + uuid.uuid4().hex[:8]
 READY = re.compile(r"listening on ([\d.]+):(\d+)")
@@ -97,6 +98,7 @@ class DaemonFactory:
     def __init__(self, tmp: Path):
         self.tmp = tmp
         self.daemons: list[Daemon] = []
+        self.with_torch: list[str] = []
         self.token_file = tmp / "token"
         self.token_file.write_text(TOKEN)
 
@@ -144,6 +146,8 @@ class DaemonFactory:
         return self.start(*extra, node_id=d.node_id, port=int(port))
 
     def close(self) -> None:
+        # Before they stop: a daemon runs without torch (ffstate/codec/host.py), whatever it served or persisted.
+        self.with_torch = [d.node_id for d in self.daemons if d.proc.poll() is None and torch_loaded(d.proc.pid)]
         for d in self.daemons:  # all at once: each takes a moment to stop
             if d.proc.poll() is None:
                 d.proc.send_signal(signal.SIGTERM)
@@ -159,6 +163,7 @@ def _closed(factory: DaemonFactory) -> None:
     for p in leaked:
         p.unlink()
     assert not leaked, f"shared memory left behind: {leaked}"
+    assert not factory.with_torch, f"daemons that imported torch: {factory.with_torch}"
 
 
 @pytest.fixture

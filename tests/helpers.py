@@ -122,6 +122,25 @@ class Lines:
         return line.strip()
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has torch's library mapped (a daemon never should: ffstate/codec/host.py)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:  # gone
+        return False
+
+
+def daemons_torch(pid_files: Iterable[Path]) -> dict[str, bool]:
+    """For each running daemon the pid files name (by file name): whether it has torch loaded."""
+    out = {}
+    for pid_file in pid_files:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            if Path(f"/proc/{pid}").exists():
+                out[pid_file.name] = torch_loaded(pid)
+    return out
+
+
 def kill_daemons(pid_files: Iterable[Path], sig: int = signal.SIGKILL) -> None:
     """Signals the daemons that ``pid_files`` name; a file or a process gone meanwhile is skipped (a daemon whose job
     left unlinks its file as it exits: between the glob and the read, in a test's cleanup)."""

@@ -12,18 +12,39 @@ Packing a CUDA state runs in the Triton kernels of ``ffstate.kernels`` (gather a
 fingerprint); the encoding itself, the zigzag difference from the base and python-blosc2 (``segment``), runs on
 host buffers, where the daemon keeps every version. The wire format is in docs/wire-format.md.
 
-The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``pack`` (state <-> buffer),
+The package: ``chunks`` (Chunk, Snapshot, Packed, the header and its checks), ``packing`` (state <-> buffer),
 ``segment`` (one segment on the wire: blosc2), ``delta`` (buffer <-> chunks, and the state level), ``decoder``
-(streamed decoding), ``backend`` (the codec's threads, the kernels' dispatch, the checksum). The names below are
-the codec's API.
+(streamed decoding), ``backend`` (the codec's threads, the kernels' dispatch, the checksum), ``host`` (buffers as
+NumPy arrays or tensors). The names below are the codec's API; those of the training side (``pack``..., ``Decoder``)
+are imported on first use, so that the daemon, which only encodes and decodes buffers, runs without torch.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum, fingerprint
 from ffstate.codec.chunks import (CHUNK_OVERHEAD, DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MAX_HEADER_BYTES,
                                   MIN_CHUNK_BYTES, Chunk, Packed, Snapshot, segments, verify_chunks)
-from ffstate.codec.decoder import Decoder
 from ffstate.codec.delta import decode, decode_snapshot, encode, encode_chunks, encode_snapshot, revert_snapshot
-from ffstate.codec.pack import pack, pack_into, pack_targets, restore_into, unpack, unpack_verified
+
+if TYPE_CHECKING:
+    from ffstate.codec.decoder import Decoder
+    from ffstate.codec.packing import pack, pack_into, pack_targets, restore_into, unpack, unpack_verified
+
+# The training side's names (states and tensors), imported on first use: the daemon encodes and decodes buffers
+# without torch (a second and 180 MB a process).
+_TORCH_SIDE = {"Decoder": "ffstate.codec.decoder", **{n: "ffstate.codec.packing" for n in (
+    "pack", "pack_into", "pack_targets", "restore_into", "unpack", "unpack_verified")}}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH_SIDE:
+        import importlib
+
+        value = getattr(importlib.import_module(_TORCH_SIDE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ffstate.codec' has no attribute {name!r}")
+
 
 __all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",
            "Chunk", "Decoder", "Packed", "Snapshot", "_map", "_pool", "_use_kernels", "buffer_checksum", "decode",

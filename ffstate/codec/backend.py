@@ -10,11 +10,14 @@ import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from ffstate import checksum
+from ffstate.codec.host import Buffer, array, is_cuda
 from ffstate.config import Config
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ffstate.codec")
 _fingerprint_said = False  # the kernel's failure logged once a process
@@ -56,10 +59,10 @@ def _map(fn, items, inline: bool = False):
     return list(_pool().map(fn, items))
 
 
-def _use_kernels(t: torch.Tensor) -> bool:
+def _use_kernels(t: Buffer) -> bool:
     """Triton for CUDA tensors; FFSTATE_KERNELS=triton forces it (CPU tensors need TRITON_INTERPRET=1)."""
     choice = _kernels_choice(os.environ.get("FFSTATE_KERNELS", "auto"))
-    return choice == "triton" or (choice == "auto" and t.is_cuda)
+    return choice == "triton" or (choice == "auto" and is_cuda(t))
 
 
 @functools.lru_cache(maxsize=4)
@@ -69,10 +72,10 @@ def _kernels_choice(raw: str) -> str:
     return Config(kernels=raw).kernels
 
 
-def buffer_checksum(buf: torch.Tensor) -> int:
+def buffer_checksum(buf: Buffer) -> int:
     """The checksum of a uint8 buffer (``ffstate.checksum``), on the codec's threads; a buffer on a GPU is
     copied to the host first (the daemon, which checksums every version, holds host buffers only)."""
-    return checksum.checksum(buf.cpu().numpy() if buf.is_cuda else buf.numpy(), _map)
+    return checksum.checksum(array(buf), _map)
 
 
 def fingerprint(buf: torch.Tensor) -> int:
@@ -91,4 +94,4 @@ def fingerprint(buf: torch.Tensor) -> int:
                 _fingerprint_said = True
                 log.warning("the fingerprint kernel failed on %s (%s: %s): the razor's fingerprints are taken on the "
                             "host instead", buf.device, type(e).__name__, (str(e).splitlines() or [""])[0][:200])
-    return checksum.fingerprint(buf.cpu().numpy() if buf.is_cuda else buf.numpy(), _map)
+    return checksum.fingerprint(array(buf), _map)

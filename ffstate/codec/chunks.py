@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from ffstate import checksum
 from ffstate.codec.backend import POOL_MIN_BYTES, _map
+from ffstate.codec.host import Buffer
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
@@ -45,10 +45,11 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A packed state: its manifest, the flat uint8 buffer, and the buffer's checksum (None: not computed)."""
+    """A packed state: its manifest, the flat uint8 buffer (a tensor on the training's side, a NumPy array in the
+    daemon: ``host.py``), and the buffer's checksum (None: not computed)."""
 
     manifest: Manifest
-    buffer: torch.Tensor
+    buffer: Buffer
     checksum: int | None
 
 

@@ -17,7 +17,7 @@ from ffstate import layout
 from ffstate.codec.segment import apply_segment
 from ffstate.codec.backend import _pool, buffer_checksum
 from ffstate.codec.chunks import Chunk, Snapshot, _parse_header, _verify_chunk, segment_count, segments
-from ffstate.codec.pack import TASK_BYTES, Unpacking
+from ffstate.codec.packing import TASK_BYTES, Unpacking
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 

@@ -10,16 +10,16 @@ import json
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
-from ffstate import layout
+import ffstate.codec.host as host
 from ffstate.codec.segment import CODECS, apply_segment, encode_segment
 from ffstate.codec.backend import POOL_MIN_BYTES, _map, buffer_checksum
 from ffstate.codec.chunks import (DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Chunk, Packed,
                                   Snapshot, _check_segment_count, segments, verify_chunks)
-from ffstate.codec.pack import pack, unpack
+from ffstate.codec.host import Buffer
 from ffstate.errors import CodecError
-from ffstate.layout import Manifest
+from ffstate.layout import Manifest, diff_layouts
+from ffstate.layout.host import empty_array
 
 
 def encode_snapshot(snapshot: Snapshot, base: Snapshot | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -73,7 +73,7 @@ def _head(snapshot: Snapshot, base: Snapshot | None, chunk_bytes: int) -> tuple[
         header.update(kind="full", manifest=json.loads(m.to_json()))
     else:
         if base.manifest.layout_id != m.layout_id:
-            raise CodecError(f"base has another layout than the state: {layout.diff_layouts(m, base.manifest)}")
+            raise CodecError(f"base has another layout than the state: {diff_layouts(m, base.manifest)}")
         header.update(kind="delta", base_checksum=f"{base.checksum:016x}", scalars=list(m.scalars))
     segs = segments(m, chunk_bytes)
     return Chunk.of(0, 1 + len(segs), json.dumps(header, separators=(",", ":")).encode()), header, segs
@@ -88,8 +88,9 @@ def decode_snapshot(
 ) -> Snapshot:
     """The snapshot an encoded version restores, verified end to end; ``base`` is required for a delta.
 
-    The result's buffer is on ``device`` for a full version, on the base's device for a delta (decoded on
-    the host, then copied there). With ``inplace``, a delta is applied to
+    The result's buffer is on ``device`` for a full version (``None``: a NumPy array, the daemon's, which runs
+    without torch), of the base's kind and on its device for a delta (decoded on the host, then copied there).
+    With ``inplace``, a delta is applied to
     ``base.buffer`` itself (no copy of the base); if anything fails the buffer is left exactly
     as it was: the delta is taken off again (docs/design.md I2).
     ``max_nbytes`` bounds the buffer a full version may ask for (a daemon passes what its memory
@@ -108,7 +109,7 @@ def decode_snapshot(
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
         if inplace:
             raise CodecError("in-place decoding applies a delta onto its base; a full version has no base")
-        out = layout.empty_buffer(manifest.nbytes)  # not zeroed: every byte is a segment's (the groups tile it)
+        out = empty_array(manifest.nbytes)  # not zeroed: every byte is a segment's (the groups tile it)
     else:
         if base is None:
             raise CodecError("this version is a delta: decoding it needs the base it was encoded against")
@@ -123,9 +124,9 @@ def decode_snapshot(
             )
         manifest = base.manifest.with_scalars(header["scalars"])
         _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
-        if inplace and base.buffer.is_cuda:
+        if inplace and host.is_cuda(base.buffer):
             raise CodecError("in-place decoding works on a host buffer (the daemon's); this base is on a GPU")
-        out = base.buffer.detach() if inplace else base.buffer.detach().cpu().clone()
+        out = base.buffer if inplace else host.host_copy(base.buffer)
     if manifest.layout_id != header["layout_id"] or manifest.nbytes != header["nbytes"]:
         raise CodecError("the header's layout id or size does not match its manifest")
     _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out, into_zeros=header["kind"] == "full")
@@ -137,8 +138,22 @@ def decode_snapshot(
             f"decoded snapshot has checksum {got:016x}, the version says {header['checksum']}: "
             "the chunks do not belong to this version or its base"
         )
-    target = device if header["kind"] == "full" else base.buffer.device
-    return Snapshot(manifest, out if out.device == torch.device(target) else out.to(target), got)
+    return Snapshot(manifest, _placed(out, device) if header["kind"] == "full" else _like(out, base.buffer), got)
+
+
+def _placed(out: np.ndarray, device: Any) -> Buffer:
+    """A full version's new buffer as asked: the NumPy array itself (``None``), else a tensor on ``device``."""
+    if device is None:
+        return out
+    import torch
+
+    t = torch.from_numpy(out)
+    return t if torch.device(device).type == "cpu" else t.to(device)
+
+
+def _like(out: Buffer, base: Buffer) -> Buffer:
+    """A delta's result, decoded on the host, where its base is (a GPU base's copy goes back to the GPU)."""
+    return out.to(base.device) if host.is_cuda(base) and not host.is_cuda(out) else out
 
 
 def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[Any]) -> Snapshot:
@@ -169,46 +184,46 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
     return Snapshot(manifest, out, got)
 
 
-def _encode_groups(buf: torch.Tensor, base: torch.Tensor | None, segs: list[tuple[int, int, int]], count: int,
+def _encode_groups(buf: Buffer, base: Buffer | None, segs: list[tuple[int, int, int]], count: int,
                    codec: str, only: Sequence[int] | None = None) -> list[Chunk]:
     """The chunks 1.. of a version (``only``: of these segments): each segment of ``buf`` (its delta from ``base``)
     encoded and checksummed in one task."""
-    host = buf.cpu().numpy()
-    base_host = None if base is None else base.cpu().numpy()
+    data = host.array(buf)
+    base_host = None if base is None else host.array(base)
     chosen = range(len(segs)) if only is None else only
 
     def encode_one(i: int) -> Chunk:
         off, n, size = segs[i]
         end = off + n * size
-        body = encode_segment(host[off:end], None if base_host is None else base_host[off:end], size, off, codec)
+        body = encode_segment(data[off:end], None if base_host is None else base_host[off:end], size, off, codec)
         return Chunk.of(i + 1, count, body)
 
-    work = sum(segs[i][1] * segs[i][2] for i in chosen) if only is not None else buf.numel()
+    work = sum(segs[i][1] * segs[i][2] for i in chosen) if only is not None else host.size(buf)
     return _map(encode_one, chosen, inline=work < POOL_MIN_BYTES)
 
 
-def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: torch.Tensor,
+def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: Buffer,
                   into_zeros: bool = False, revert: bool = False) -> None:
     """Applies every segment onto ``out`` (``revert``: takes every one off; ``into_zeros``: a full version's new
     buffer, decompressed straight into); if one is malformed, the others are undone and CodecError raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
-    host = out.numpy()
+    data = host.array(out)
 
     def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
         payload, (off, n, size) = item
         try:
-            apply_segment(payload, size, off, host[off : off + n * size], into_zeros, revert)
+            apply_segment(payload, size, off, data[off : off + n * size], into_zeros, revert)
         except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
             return e
         return None
 
     def undo(item: tuple[np.ndarray, tuple[int, int, int]]) -> None:
         payload, (off, n, size) = item
-        apply_segment(payload, size, off, host[off : off + n * size], revert=not revert)
+        apply_segment(payload, size, off, data[off : off + n * size], revert=not revert)
 
     items = list(zip(payloads, segs))
-    inline = out.numel() < POOL_MIN_BYTES
+    inline = data.size < POOL_MIN_BYTES
     errors = _map(apply, items, inline=inline)
     failed = [e for e in errors if e is not None]
     if failed:
@@ -223,6 +238,8 @@ def encode(state: Any, base: Any = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     Raises:
         CodecError: the state holds an unsupported value, or ``base`` has another structure.
     """
+    from ffstate.codec.packing import pack  # torch's side: the daemon imports this module without it
+
     snapshot = pack(state)
     return encode_snapshot(snapshot, None if base is None else pack(base), chunk_bytes, codec)
 
@@ -233,5 +250,7 @@ def decode(packed: Packed, base: Any = None, map_location: Any = None) -> Any:
     Raises:
         CodecError: see ``decode_snapshot``.
     """
+    from ffstate.codec.packing import pack, unpack
+
     snapshot = decode_snapshot(packed, None if base is None else pack(base))
     return unpack(snapshot, map_location)

@@ -39,7 +39,7 @@ if __name__ == "__main__":  # the flushing process: deaf to its group's signals 
 
     _COLLECTING = startup.pause()  # torch and DCP imported without the collector (startup.py); main() resumes it
 
-import torch  # noqa: E402
+import numpy as np  # noqa: E402
 
 log = logging.getLogger("ffstate.daemon.flusher")
 
@@ -50,18 +50,20 @@ TICK = 0.1  # seconds between the persister's other duties while it waits on the
 
 
 class Copy:
-    """A version's bytes and its description in one anonymous in-memory file (the persister's side)."""
+    """A version's bytes (a NumPy array: the daemon runs without torch) and its description in one anonymous
+    in-memory file (the persister's side)."""
 
-    def __init__(self, data: torch.Tensor, meta: dict):
+    def __init__(self, data: np.ndarray, meta: dict):
+        data = np.asarray(data)  # a CPU tensor as is (a test's slots)
         raw = json.dumps(meta, separators=(",", ":")).encode()
-        self.nbytes, self.meta_bytes = data.numel(), len(raw)
+        self.nbytes, self.meta_bytes = data.size, len(raw)
         self.fd = os.memfd_create("ffstate-flush", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, self.nbytes + len(raw))
             if self.nbytes:
                 with mmap.mmap(self.fd, self.nbytes) as m:
-                    view = torch.frombuffer(m, dtype=torch.uint8)
-                    view.copy_(data)
+                    view = np.frombuffer(m, dtype=np.uint8)
+                    np.copyto(view, data)
                     del view  # before the map is closed: it exports the map's buffer
             os.pwrite(self.fd, raw, self.nbytes)
         except BaseException:
@@ -225,6 +227,8 @@ def diagnose(path: Path, need: int, error: BaseException) -> str:
 
 
 def _write(job: dict, fd: int) -> dict:
+    import torch
+
     from ffstate import persist
     from ffstate.errors import FFStateError
     from ffstate.layout import Manifest

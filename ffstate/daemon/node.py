@@ -226,7 +226,7 @@ class Node:
         try:
             shm.remove_slots(paths)  # left over by an earlier daemon of this node that was killed
             shm.create_slots(paths, manifest, cap, bell)
-            slots = shm.Slots(paths, manifest)
+            slots = shm.Slots(paths, manifest, tensors=False)
         except BaseException:
             self._forget_bell(bell and bell[1])
             shm.remove_slots(paths)

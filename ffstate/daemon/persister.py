@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from ffstate import codec, persist
+from ffstate.codec import host
 from ffstate.daemon.flusher import Copy, Flusher
 from ffstate.daemon.shard import GONE
 from ffstate.errors import ReplicaError, SlotError
@@ -117,7 +116,7 @@ class Persister:
         self.stats.flusher_pid, self.stats.flusher_starts = self._flusher.pid, self._flusher.starts
         return self.stats
 
-    def offer(self, key: ShardKey, version: int, manifest: Manifest, data: torch.Tensor, checksum: int,
+    def offer(self, key: ShardKey, version: int, manifest: Manifest, data: host.Buffer, checksum: int,
               keys: dict | None, unchanged: Callable[[], bool]) -> None:
         """A version the replicator took from ``key``'s slot: ``data`` its bytes, valid while ``unchanged()``."""
         if version > self._reached.get(key.job_id, 0):  # written by the thread within REACHED_EVERY
@@ -137,17 +136,17 @@ class Persister:
             self._copying += 1
         try:
             try:
-                self.reserve(data.numel(), f"the copy of {key} version {version} for the persistent tier")
+                self.reserve(host.size(data), f"the copy of {key} version {version} for the persistent tier")
             except ReplicaError as e:
                 return self._skip(claim, f"{key}: version {version} not flushed: {e}")
             try:
                 copy = Copy(data, {"manifest": manifest.to_json().decode(), "keys": keys or {}})
             except OSError as e:  # no memory for an in-memory file
-                self.release(data.numel())
+                self.release(host.size(data))
                 return self._skip(claim, f"{key}: version {version} not flushed: {e}")
             if not unchanged():  # the worker rewrote the slot meanwhile (policy skip): nothing consistent to write
                 copy.close()
-                self.release(data.numel())
+                self.release(host.size(data))
                 return self._skip(claim)
             self._queue_copy(key, version, copy, checksum)
         finally:

@@ -24,7 +24,7 @@ from typing import Any, Callable, Protocol
 
 from ffstate import codec
 from ffstate.client import Client
-from ffstate.codec import Packed
+from ffstate.codec import Packed, host
 from ffstate.daemon.shard import Holder, LocalShard
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.scheduling.scheduler import Naive
@@ -216,7 +216,7 @@ class Replicator:
             return True
         try:
             if shard.base is None:
-                buf = view.data.clone()
+                buf = host.clone(view.data)
                 checksum = codec.buffer_checksum(buf)
                 packed = None
             else:  # the worker does not checksum its commits (shm): the daemon does, here
@@ -231,7 +231,7 @@ class Replicator:
                 # The daemon's copy becomes the slot's bytes by one copy, not by decoding the delta again
                 # (which cost 15x the copy's CPU): the holders verify the delta against the checksum.
                 before = shard.base.manifest.scalars
-                shard.base.buffer.copy_(view.data)
+                host.copy_into(shard.base.buffer, view.data)
                 if not shard.slots.unchanged(view):  # torn: the worker did not wait (policy skip)
                     log.warning("%s: version %d was rewritten while the daemon copied it; the next push is a "
                                 "full version", shard.key, version)

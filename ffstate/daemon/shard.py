@@ -15,7 +15,7 @@ from typing import Any
 
 from ffstate import codec
 from ffstate.client import Client
-from ffstate.codec import Snapshot
+from ffstate.codec import Snapshot, host
 from ffstate.errors import CodecError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
@@ -135,7 +135,7 @@ class LocalShard:
         Call under ``lock``."""
         if version not in self.versions_back():
             return None
-        snap = Snapshot(self.base.manifest, self.base.buffer.clone(), self.base.checksum)
+        snap = Snapshot(self.base.manifest, host.clone(self.base.buffer), self.base.checksum)
         for v, before, packed, scalars in reversed(self.chain):
             if v == version:
                 break
@@ -150,7 +150,7 @@ GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings c
 
 def copy_verified(slots: Slots, version: int = 0) -> tuple[int, Snapshot] | None:
     """(version, a verified private copy) of the newest committed slot, or of ``version`` if given."""
-    got = slots.read(version, lambda view: (view.data.clone(), codec.buffer_checksum(view.data)))
+    got = slots.read(version, lambda view: (host.clone(view.data), codec.buffer_checksum(view.data)))
     if got is None:
         return None
     view, buf = got

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 
 from ffstate import codec
 from ffstate import checksum
-from ffstate.codec import Chunk, Packed, Snapshot
+from ffstate.codec import Chunk, Packed, Snapshot, host
 from ffstate.codec.chunks import other_format
 from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
@@ -56,7 +56,7 @@ class Replica:
 
     @property
     def nbytes(self) -> int:
-        return self.snapshot.buffer.numel() + sum(d.packed.nbytes for d in self.history)
+        return host.size(self.snapshot.buffer) + sum(d.packed.nbytes for d in self.history)
 
     @property
     def versions(self) -> list[int]:
@@ -248,14 +248,14 @@ class Store:
             raise
 
     def _commit_full(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
-        snap = codec.decode_snapshot(staging.packed, max_nbytes=staging.reserved)
+        snap = codec.decode_snapshot(staging.packed, max_nbytes=staging.reserved, device=None)
         new = Replica(staging.key, snap, staging.version, staging.source, time.time())
         with self._lock:
             self._replicas[staging.key] = new
         # The buffer stays reserved (it is now held); the chunks are freed; so is the old replica.
-        self.release(staging.reserved - snap.buffer.numel() + (held.nbytes if held else 0))
+        self.release(staging.reserved - host.size(snap.buffer) + (held.nbytes if held else 0))
         log.info("committed full version %d of %s from %s (%d bytes)", staging.version, staging.key,
-                 staging.source, snap.buffer.numel())
+                 staging.source, host.size(snap.buffer))
         return new.version, snap.checksum
 
     def _commit_delta(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
@@ -307,10 +307,10 @@ class Store:
                                                codec.encode_snapshot(held.snapshot))
             if version not in held.versions:
                 raise ReplicaError(f"{key} version {version} is not held here (held: {held.versions})", "NOT_FOUND")
-            size = held.snapshot.buffer.numel()
+            size = host.size(held.snapshot.buffer)
             self.reserve(size, f"a copy of {key} stepped back to version {version}")
             try:
-                snap = Snapshot(held.snapshot.manifest, held.snapshot.buffer.clone(), held.snapshot.checksum)
+                snap = Snapshot(held.snapshot.manifest, host.clone(held.snapshot.buffer), held.snapshot.checksum)
                 for d in reversed(held.history):
                     if d.version <= version:
                         break

@@ -27,7 +27,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from ffstate import layout, razor
 from ffstate.elastic.keys import KEYS, keys_tensor  # noqa: F401  (keys_tensor: re-exported)
 from ffstate.errors import FFStateError
-from ffstate.persist.items import check_keys, keyed
+from ffstate.persist.items import keyed
+from ffstate.persist.keymap import check_keys
 
 log = logging.getLogger("ffstate.elastic")
 

@@ -10,19 +10,47 @@ The *layout* of a manifest is everything except the scalar values and devices; t
 same layout (same ``layout_id``) can be delta-encoded against each other.
 
 The package: ``manifest`` (the plain-data description and its validation), ``tree`` (walking a state),
-``buffers`` (bytes in and out of the flat buffer), ``gc`` (the collector paused over large walks).
+``buffers`` (bytes in and out of the flat buffer), ``gc`` (the collector paused over large walks), ``dtypes`` (the
+wire names as torch's dtypes), ``host`` (host buffers without torch). ``manifest`` is all the daemon needs: the
+names from torch's side are imported when first used.
 """
 
-from ffstate.layout.buffers import (alloc_buffer, array_bytes, copy_bits, empty_buffer, empty_leaves, finish_leaves,
-                                    iter_placed, leaf_bytes, materialize, tensor_view)
-from ffstate.layout.gc import gc_paused
-from ffstate.layout.manifest import (ALIGN, DTYPE_NAMES, DTYPES, MAX_NDIM, MAX_TENSORS, Group, Manifest, TensorSpec,
-                                     build_manifest, diff_layouts, per_layout)
-from ffstate.layout.tree import (_match_known, analyze, analyze_known, decode_scalar, describe, encode_scalar, flatten,
-                                 is_parameter, unflatten)
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ALIGN", "DTYPES", "DTYPE_NAMES", "Group", "MAX_NDIM", "MAX_TENSORS", "Manifest", "TensorSpec",
-           "_match_known", "alloc_buffer", "analyze", "analyze_known", "array_bytes", "build_manifest", "copy_bits",
-           "decode_scalar", "describe", "diff_layouts", "empty_buffer", "empty_leaves", "encode_scalar", "finish_leaves",
-           "flatten", "gc_paused", "is_parameter", "iter_placed", "leaf_bytes", "materialize", "per_layout",
-           "tensor_view", "unflatten"]
+from ffstate.layout.gc import gc_paused
+from ffstate.layout.manifest import (ALIGN, DTYPE_SIZES, MAX_NDIM, MAX_TENSORS, Group, Manifest, TensorSpec,
+                                     build_manifest, diff_layouts, per_layout)
+
+if TYPE_CHECKING:
+    from ffstate.layout.buffers import (alloc_buffer, array_bytes, copy_bits, empty_buffer, empty_leaves, finish_leaves,
+                                        iter_placed, leaf_bytes, materialize, tensor_view)
+    from ffstate.layout.dtypes import DTYPE_NAMES, DTYPES
+    from ffstate.layout.tree import (_match_known, analyze, analyze_known, decode_scalar, describe, encode_scalar,
+                                     flatten, is_parameter, unflatten)
+
+# The names that need torch, imported on first use: the daemon reads manifests without it (a second a process).
+_TORCH_SIDE = {
+    "ffstate.layout.buffers": ("alloc_buffer", "array_bytes", "copy_bits", "empty_buffer", "empty_leaves",
+                               "finish_leaves", "iter_placed", "leaf_bytes", "materialize", "tensor_view"),
+    "ffstate.layout.dtypes": ("DTYPE_NAMES", "DTYPES"),
+    "ffstate.layout.tree": ("_match_known", "analyze", "analyze_known", "decode_scalar", "describe", "encode_scalar",
+                            "flatten", "is_parameter", "unflatten"),
+}
+_WHERE = {name: module for module, names in _TORCH_SIDE.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ffstate.layout' has no attribute {name!r}")
+
+
+__all__ = ["ALIGN", "DTYPES", "DTYPE_NAMES", "DTYPE_SIZES", "Group", "MAX_NDIM", "MAX_TENSORS", "Manifest",
+           "TensorSpec", "_match_known", "alloc_buffer", "analyze", "analyze_known", "array_bytes", "build_manifest",
+           "copy_bits", "decode_scalar", "describe", "diff_layouts", "empty_buffer", "empty_leaves", "encode_scalar",
+           "finish_leaves", "flatten", "gc_paused", "is_parameter", "iter_placed", "leaf_bytes", "materialize",
+           "per_layout", "tensor_view", "unflatten"]

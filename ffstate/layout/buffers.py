@@ -3,15 +3,15 @@ copies, and new leaves filled from a buffer and put back into the state's nestin
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from ffstate.layout.gc import gc_paused
-from ffstate.layout.manifest import DTYPES, Manifest, TensorSpec
+from ffstate.layout.host import empty_array
+from ffstate.layout.dtypes import DTYPES
+from ffstate.layout.manifest import Manifest, TensorSpec
 from ffstate.layout.tree import unflatten
 
 
@@ -20,23 +20,9 @@ def alloc_buffer(manifest: Manifest, device: str | torch.device = "cpu", pin_mem
     return torch.zeros(manifest.nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
 
 
-HUGE_BYTES = 8 << 20  # buffers from this size up are mapped on their own, in huge pages where the kernel allows
-
-
 def empty_buffer(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 buffer for a decoded version, faulted in by 2 MiB pages where the kernel's transparent
-    huge pages allow it (``madvise``, their default setting): its first writes, which the decoder makes while the
-    rest of the version is on the wire, fault 512 times less often (a 40 MB buffer written once: about 9 ms of page
-    faults, 3 with huge pages, on this project's machine). Smaller ones, or where mapping fails, come from torch's allocator."""
-    if nbytes >= HUGE_BYTES:
-        try:
-            m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE here: small pages
-                m.madvise(mmap.MADV_HUGEPAGE)
-            return torch.from_numpy(np.frombuffer(m, dtype=np.uint8))  # unmapped when the last view goes
-        except (OSError, ValueError):
-            pass
-    return torch.empty(nbytes, dtype=torch.uint8)
+    """An uninitialised uint8 buffer for a decoded version (``host.empty_array``: a large one in huge pages)."""
+    return torch.from_numpy(empty_array(nbytes))
 
 
 def tensor_view(buf: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 
 from ffstate.errors import CodecError
 from ffstate.layout.gc import gc_paused
@@ -19,25 +18,14 @@ from ffstate.layout.gc import gc_paused
 # 64 bytes: one cache line, and a multiple of every dtype's size, so any offset can be viewed as any dtype.
 ALIGN = 64
 
-# The dtypes a snapshot can hold, by their wire name. Order is irrelevant; names are the contract.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+# The dtypes a snapshot can hold, by their wire name, with their element sizes in bytes (``dtypes.py`` maps the names
+# to torch's dtypes: the daemon, which only checks manifests, runs without torch). Order is irrelevant; names are the
+# contract.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "complex64": 8, "complex128": 16, "int64": 8,
+    "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8,
 }
-for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # Bounds on a manifest built from untrusted bytes (I6); generous for any real model.
 MAX_TENSORS = 1 << 22
@@ -138,8 +126,8 @@ class Manifest:
 
 def _spec_from_json(row: list) -> TensorSpec:
     name, dtype, shape, offset, kind, np_dtype, device, requires_grad = row
-    if dtype not in DTYPES:
-        raise CodecError(f"tensor {name!r} has unknown dtype {dtype!r}; known: {sorted(DTYPES)}")
+    if dtype not in DTYPE_SIZES:
+        raise CodecError(f"tensor {name!r} has unknown dtype {dtype!r}; known: {sorted(DTYPE_SIZES)}")
     if kind not in ("tensor", "param", "ndarray"):
         raise CodecError(f"tensor {name!r} has unknown kind {kind!r}")
     if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(isinstance(d, int) and d >= 0 for d in shape):
@@ -182,7 +170,7 @@ def build_manifest(tree: Any, specs: Sequence[TensorSpec], scalars: Sequence[Any
     groups = []
     offset = 0
     for dtype, members in by_dtype.items():
-        itemsize = DTYPES[dtype].itemsize
+        itemsize = DTYPE_SIZES[dtype]
         start = offset
         for i in members:
             s = specs[i]

@@ -14,7 +14,8 @@ import torch
 
 from ffstate.errors import CodecError
 from ffstate.layout.compiled import matcher as compiled_matcher
-from ffstate.layout.manifest import DTYPE_NAMES, DTYPES, Manifest, TensorSpec, build_manifest, per_layout
+from ffstate.layout.dtypes import DTYPE_NAMES, DTYPES
+from ffstate.layout.manifest import Manifest, TensorSpec, build_manifest, per_layout
 
 
 def encode_scalar(value: Any, path: str) -> Any:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ffstate.persist.items import KEYS_VERSION
+from ffstate.persist.keymap import KEYS_VERSION
 
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 

@@ -27,14 +27,17 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from ffstate import checksum
 from ffstate.layout import Manifest
-from ffstate.persist.items import Item
+
+if TYPE_CHECKING:
+    import torch
+
+    from ffstate.persist.items import Item
 
 log = logging.getLogger("ffstate.persist")
 
@@ -54,10 +57,11 @@ def record_path(vdir: Path, rank: int) -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _dcp() -> Any:
-    """torch.distributed.checkpoint's pieces, imported when a version is first written (0.7 s: every ``ffstate``
-    command and every daemon without a persistent tier would pay it at start)."""
+    """torch.distributed.checkpoint's pieces and torch's ``Size`` and dtypes, imported when a version is first written
+    (in the flushing process: the daemon itself runs without torch)."""
     import types
 
+    import torch
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
@@ -93,7 +97,7 @@ def _dcp() -> Any:
         ChunkStorageMetadata=ChunkStorageMetadata, Metadata=Metadata, MetadataIndex=MetadataIndex,
         TensorProperties=TensorProperties, TensorStorageMetadata=TensorStorageMetadata,
         BytesIOWriteData=BytesIOWriteData, SavePlan=SavePlan, TensorWriteData=TensorWriteData, WriteItem=WriteItem,
-        WriteItemType=WriteItemType, WriteResult=WriteResult, Planner=Planner)
+        WriteItemType=WriteItemType, WriteResult=WriteResult, Planner=Planner, Size=torch.Size, torch=torch)
 
 
 def prepare() -> None:
@@ -103,7 +107,7 @@ def prepare() -> None:
 
 def _index(item: Item) -> Any:
     d = _dcp()
-    return d.MetadataIndex(item.fqn) if item.is_bytes else d.MetadataIndex(item.fqn, torch.Size(item.offsets))
+    return d.MetadataIndex(item.fqn) if item.is_bytes else d.MetadataIndex(item.fqn, d.Size(item.offsets))
 
 
 def _write_item(item: Item) -> Any:
@@ -111,10 +115,10 @@ def _write_item(item: Item) -> Any:
     if item.is_bytes:
         return d.WriteItem(_index(item), d.WriteItemType.BYTE_IO, bytes_io_data=d.BytesIOWriteData(len(item.data)))
     whole = tuple(item.data.shape) == item.size
-    chunk = d.ChunkStorageMetadata(torch.Size(item.offsets), torch.Size(item.data.shape))
+    chunk = d.ChunkStorageMetadata(d.Size(item.offsets), d.Size(item.data.shape))
     return d.WriteItem(_index(item), d.WriteItemType.TENSOR if whole else d.WriteItemType.SHARD,
                        tensor_data=d.TensorWriteData(chunk, d.TensorProperties(dtype=item.data.dtype),
-                                                     torch.Size(item.size)))
+                                                     d.Size(item.size)))
 
 
 def file_checksum(path: Path, fmt: int = FORMAT) -> tuple[int, int]:
@@ -230,11 +234,11 @@ def _metadata(records: list[dict]) -> tuple[Any, list]:
                 index = d.MetadataIndex(fqn)
                 sd.setdefault(fqn, d.BytesStorageMetadata())
             else:
-                index = d.MetadataIndex(fqn, torch.Size(it["offsets"]))
+                index = d.MetadataIndex(fqn, d.Size(it["offsets"]))
                 meta = sd.setdefault(fqn, d.TensorStorageMetadata(
-                    d.TensorProperties(dtype=getattr(torch, it["dtype"])), torch.Size(it["size"]), []))
+                    d.TensorProperties(dtype=getattr(d.torch, it["dtype"])), d.Size(it["size"]), []))
                 if index not in results:
-                    meta.chunks.append(d.ChunkStorageMetadata(torch.Size(it["offsets"]), torch.Size(it["sizes"])))
+                    meta.chunks.append(d.ChunkStorageMetadata(d.Size(it["offsets"]), d.Size(it["sizes"])))
             if index in results:
                 continue
             planner[fqn] = tuple(it["path"])

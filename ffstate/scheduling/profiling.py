@@ -24,10 +24,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ffstate.scheduling.windows import merge_intervals
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ffstate.profiling")
 
@@ -101,6 +103,8 @@ class StepProfiler:
         if self._prof is None:
             if self._commits < WARMUP_COMMITS or not self._start():
                 return None
+        import torch  # the worker's side: the timeline's readers (the daemon) run without torch
+
         with torch.profiler.record_function(MARKER):
             pass
         if self._commits < WARMUP_COMMITS + self.steps:
@@ -108,6 +112,8 @@ class StepProfiler:
         return self._finish()
 
     def _start(self) -> bool:
+        import torch
+
         if torch.autograd._profiler_enabled():
             log.info("a profiler is already running: no profiled timeline (the scheduler paces by rate only)")
             self.done = True
@@ -150,6 +156,8 @@ class StepProfiler:
 
 def _events(prof: torch.profiler.profile) -> tuple[list[float], list[tuple[float, float]]]:
     """The markers' times and the collectives' (start, end), in seconds on the trace's clock."""
+    import torch
+
     gpu = torch.autograd.DeviceType.CUDA
     results = getattr(prof.profiler, "kineto_results", None)
     if results is not None:  # the raw events: a hundred times faster than building prof.events()

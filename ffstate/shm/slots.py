@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
+import numpy as np
 
 from ffstate.errors import SlotError
 from ffstate.ids import check_id
@@ -110,10 +110,7 @@ def _alive(pid: int) -> bool:
 
 def remove_slots(paths: list[Path]) -> None:
     for path in paths:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -125,18 +122,23 @@ class SlotView:
     version: int
     checksum: int | None  # as recorded by the daemon; None until it has taken the slot
     scalars: list
-    data: torch.Tensor  # uint8 view of the slot's bytes, no copy
+    data: Any  # uint8 view of the slot's bytes, no copy: a tensor (the worker's) or a NumPy array (the daemon's)
+
+
+def _as_tensor(view: np.ndarray) -> Any:
+    import torch  # the worker's side only: the daemon runs without torch
+    return torch.from_numpy(view)
 
 
 class Slots(WorkerFields):
-    """The two slots of one rank, mapped into this process (worker or daemon)."""
+    """The two slots of one rank, mapped here: ``data`` views them as uint8 tensors, or NumPy arrays (``tensors=False``)."""
 
-    def __init__(self, paths: list[Path], manifest: Manifest):
+    def __init__(self, paths: list[Path], manifest: Manifest, tensors: bool = True):
         self.paths = [Path(p) for p in paths]
         self.manifest = manifest
         self._maps: list[mmap.mmap] = []
         self.headers: list[Header] = []
-        self.data: list[torch.Tensor] = []
+        self.data: list[Any] = []
         self.wait_timed_out = False
         self._marks = MarksReader()
         for path in self.paths:
@@ -159,8 +161,8 @@ class Slots(WorkerFields):
             self.headers.append(head)
             self.scalars_capacity = head.scalars_capacity
             start = PAGE + _round_up(head.scalars_capacity)
-            self.data.append(torch.frombuffer(mm, dtype=torch.uint8, offset=start, count=manifest.nbytes)
-                             if manifest.nbytes else torch.empty(0, dtype=torch.uint8))
+            view = np.frombuffer(mm, np.uint8, manifest.nbytes, start) if manifest.nbytes else np.empty(0, np.uint8)
+            self.data.append(_as_tensor(view) if tensors else view)
         self._bell: Bell | None = None  # the daemon's doorbell, if it has one
         if self.headers:
             h = self.headers[0]

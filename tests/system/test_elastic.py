@@ -24,7 +24,7 @@ import pytest
 from ffstate import persist
 from ffstate.bench._report import free_ports
 from ffstate.client import Client
-from helpers import kill_daemons
+from helpers import daemons_torch, kill_daemons
 
 pytestmark = pytest.mark.timeout(900)
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,12 @@ class Job:
         assert len(got) == world and len({g["v"] for g in got}) == 1, got
         return got
 
+    def daemons_without_torch(self) -> bool:
+        """Whether the job's daemons are running, none with torch loaded."""
+        got = daemons_torch((self.tmp / f"ffstate-{self.job}").glob("daemon-*.pid"))
+        assert got, "no daemon of the job is running"
+        return not any(got.values())
+
     def stop_daemons(self) -> None:
         kill_daemons((self.tmp / f"ffstate-{self.job}").glob("daemon-*.pid"))
 
@@ -91,6 +97,7 @@ def test_fsdp2_shrinks_to_an_uneven_size_and_grows_back_restoring_what_dcp_loads
         with Client(f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}", job.env["FFSTATE_TOKEN"]) as node0:
             shapes = {s.shard.world_size for s in node0.inventory(job.job).shards}
         assert shapes == {4}, shapes  # the 3-rank copies went once every 4-rank one had a replicated version
+        assert job.daemons_without_torch()  # served three shapes' restores, still without torch
     finally:
         job.stop_daemons()
     print("fsdp2", [(s["from_world"], s["world"], s["v"], s["lost"], s["tensors"]) for s in (shrink, grow)])
@@ -112,6 +119,7 @@ def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_grow
         assert "cannot resume at world size 2 from copies made at 4" in text, text[-3000:]
         assert "extra/per_rank (PerRank) holds per-rank state" in text and "reshard_state_dict" in text
         assert not list(job.out.glob("check-v*-w2-*.json"))  # refused before anything was loaded
+        assert job.daemons_without_torch()  # node 0's persisted every version (its flushing process loads torch)
         job.run(2, 1, 9)  # the same copies, untouched by the refusal; a clean end
         shrink = resized(job, 2, 4, Config().max_lag)
         shapes = persist.worlds(store / job.job)  # the versions after the resize are of its shape

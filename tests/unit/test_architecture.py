@@ -98,3 +98,29 @@ def test_test_files_have_unique_names():
     for path in sorted((ROOT / "tests").rglob("test_*.py")):
         assert path.name not in seen, f"{path.relative_to(ROOT)} and {seen[path.name].relative_to(ROOT)} share a name"
         seen[path.name] = path
+
+
+NO_TORCH = """
+import importlib, sys, traceback
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            trail = [f"{f.filename}:{f.lineno}" for f in traceback.extract_stack() if "/ffstate/" in f.filename]
+            raise ImportError("torch imported from " + " <- ".join(reversed(trail)))
+sys.meta_path.insert(0, Refuse())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+"""
+
+
+def test_the_daemon_and_the_command_line_import_without_torch():
+    """The daemon encodes, holds and serves buffers as NumPy arrays: torch (a second and 180 MB a process) is the
+    training side's, and its flushing process's. Every module a daemon imports at its start imports without it
+    (what it imports later is checked by every daemon test: tests/daemons.py looks for torch's library in its
+    memory map before stopping it)."""
+    import subprocess
+    import sys
+
+    names = ["ffstate.daemon.main", "ffstate.daemon.launch", "ffstate.cli", "ffstate.status"]
+    got = subprocess.run([sys.executable, "-c", NO_TORCH, *names], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr[-3000:]

@@ -511,27 +511,25 @@ def test_a_full_version_decodes_into_an_uninitialised_buffer_every_byte_of_which
     """The decoders do not zero a full version's buffer first (8 ms of a 40 MB restore's start): the dtype groups
     tile the buffer, padding included, and the segments cover the groups. Garbage in the buffer beforehand must
     not show in the state or the sum."""
-    from ffstate.codec import decoder as decoder_mod
     from ffstate.codec import delta as delta_mod
+    from ffstate.layout import buffers as buffers_mod
+    from ffstate.layout.host import empty_array
 
-    real = torch.empty
-
-    def garbage(*size, **kwargs):  # torch.empty, its uint8 buffers full of 0xAB (torch is one module: patched for all)
-        out = real(*size, **kwargs)
-        if out.dtype == torch.uint8:
-            out.fill_(0xAB)
+    def garbage(nbytes):  # the decoders' uninitialised buffers, full of 0xAB
+        out = empty_array(nbytes)
+        out.fill(0xAB)
         return out
 
     state = {"a": torch.randn(1001), "b": torch.arange(7, dtype=torch.int16), "c": torch.rand(33) > 0.5,
              "d": torch.randn(5, 3).bfloat16(), "n": np.arange(3, dtype=np.uint8)}
     full = codec.encode(state, chunk_bytes=4096)
-    monkeypatch.setattr(decoder_mod.torch, "empty", garbage)
+    monkeypatch.setattr(buffers_mod, "empty_array", garbage)  # the streaming decoder's (layout.empty_buffer)
     dec = codec.Decoder()
     for c in full.chunks:
         dec.add(c)
     monkeypatch.undo()
     assert_bitwise_equal(dec.state(), state)
-    monkeypatch.setattr(delta_mod.torch, "empty", garbage)
+    monkeypatch.setattr(delta_mod, "empty_array", garbage)
     snapshot = codec.decode_snapshot(full)
     monkeypatch.undo()
     assert snapshot.checksum == full.checksum and torch.equal(snapshot.buffer, codec.pack(state).buffer)
