@@ -124,3 +124,14 @@ def test_the_daemon_and_the_command_line_import_without_torch():
     names = ["ffstate.daemon.main", "ffstate.daemon.launch", "ffstate.cli", "ffstate.status"]
     got = subprocess.run([sys.executable, "-c", NO_TORCH, *names], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0, got.stderr[-3000:]
+
+
+def test_every_package_is_in_the_distribution():
+    """pyproject.toml lists the packages a wheel holds: one missing installs, and fails at its first import (the bulk
+    socket's was, and only the editable install of the Makefile hid it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    found |= {f"ffstate.{d.name}" for d in (ROOT / "kernels", ROOT / "bench", ROOT / "demo", ROOT / "testing")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"
