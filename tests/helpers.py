@@ -88,7 +88,7 @@ def worker_and_daemon_slots(tmp_path, monkeypatch, state: dict | None = None,
     manifest = layout.describe(state)
     paths = shm.slot_paths("n0", "j", 0, world)
     shm.create_slots(paths, manifest, 4096)
-    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest)
+    worker, daemon = shm.Slots(paths, manifest), shm.Slots(paths, manifest, tensors=False)  # as each maps them
     try:
         yield state, worker, daemon
     finally:

@@ -46,6 +46,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ffstate.codec' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 __all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",
            "Chunk", "Decoder", "Packed", "Snapshot", "_map", "_pool", "_use_kernels", "buffer_checksum", "decode",
            "decode_snapshot", "encode", "encode_chunks", "encode_snapshot", "fingerprint", "pack", "pack_into",

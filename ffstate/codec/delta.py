@@ -175,6 +175,8 @@ def revert_snapshot(packed: Packed, snapshot: Snapshot, base_scalars: Sequence[A
                          f"not the given one ({snapshot.checksum:016x})")
     manifest = snapshot.manifest.with_scalars(base_scalars)
     _check_segment_count(packed.chunks, manifest, header["chunk_bytes"])
+    if host.is_cuda(snapshot.buffer):
+        raise CodecError("reverting works on a host buffer (the daemon's); this snapshot is on a GPU")
     out = snapshot.buffer
     _apply_groups(packed.chunks[1:], manifest, header["chunk_bytes"], out, revert=True)
     got = buffer_checksum(out)
@@ -208,7 +210,7 @@ def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int,
     buffer, decompressed straight into); if one is malformed, the others are undone and CodecError raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
-    data = host.array(out)
+    data = host.writable(out)  # the callers' buffers are on the host: decode_snapshot and revert_snapshot refuse others
 
     def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
         payload, (off, n, size) = item

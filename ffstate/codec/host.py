@@ -40,14 +40,22 @@ def host_copy(buf: Buffer) -> Buffer:
     return buf.copy() if isinstance(buf, np.ndarray) else buf.detach().cpu().clone()
 
 
+def writable(buf: Buffer) -> np.ndarray:
+    """A NumPy view of a host buffer to write into; a GPU tensor is refused (``array`` would give a copy, and the
+    writes would be lost)."""
+    if is_cuda(buf):
+        raise ValueError(f"a host buffer is needed here (the daemon's); this one is on {buf.device}")
+    return array(buf)
+
+
 def copy_into(dst: Buffer, src: Buffer) -> None:
-    """``dst``'s bytes made ``src``'s (same length)."""
-    if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
-        np.copyto(dst, src)
-    elif not isinstance(dst, np.ndarray) and not isinstance(src, np.ndarray):
-        dst.copy_(src)
-    else:
-        np.copyto(array(dst), array(src))
+    """``dst``'s bytes made ``src``'s (same length), on ``dst``'s device."""
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, array(src))
+    else:  # a tensor: torch is loaded
+        import torch
+
+        dst.copy_(torch.from_numpy(src) if isinstance(src, np.ndarray) else src)
 
 
 def is_cuda(buf: Any) -> bool:

@@ -63,8 +63,10 @@ class Copy:
             if self.nbytes:
                 with mmap.mmap(self.fd, self.nbytes) as m:
                     view = np.frombuffer(m, dtype=np.uint8)
-                    np.copyto(view, data)
-                    del view  # before the map is closed: it exports the map's buffer
+                    try:
+                        np.copyto(view, data)
+                    finally:
+                        del view  # before the map is closed: it exports the map's buffer
             os.pwrite(self.fd, raw, self.nbytes)
         except BaseException:
             os.close(self.fd)

@@ -49,6 +49,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ffstate.layout' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 __all__ = ["ALIGN", "DTYPES", "DTYPE_NAMES", "DTYPE_SIZES", "Group", "MAX_NDIM", "MAX_TENSORS", "Manifest",
            "TensorSpec", "_match_known", "alloc_buffer", "analyze", "analyze_known", "array_bytes", "build_manifest",
            "copy_bits", "decode_scalar", "describe", "diff_layouts", "empty_buffer", "empty_leaves", "encode_scalar",

@@ -34,6 +34,10 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'ffstate.persist' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
 __all__ = ["COMPLETE", "Item", "PersistError", "boxes", "check", "check_keys", "complete_versions", "drop_newer",
            "finalize", "items_of", "note_reached", "prune", "reached", "read_shard", "remove_rank", "version_dir",
            "worlds", "write_rank"]

@@ -101,7 +101,7 @@ def _dcp() -> Any:
 
 
 def prepare() -> None:
-    """Imports torch.distributed.checkpoint now (the daemon's persister does it before its first flush)."""
+    """Imports torch and torch.distributed.checkpoint now (the daemon's flushing process, as it starts)."""
     _dcp()
 
 

@@ -177,7 +177,7 @@ class Slots(WorkerFields):
         for mm in self._maps:
             try:
                 mm.close()
-            except BufferError:  # a view is still alive somewhere; the mapping goes with the process
+            except BufferError:  # a view of `data` is still alive somewhere: the mapping goes with the last one
                 pass
         self._maps.clear()
 

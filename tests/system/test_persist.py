@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ffstate import persist, razor
+from ffstate.persist import read as persist_read
 from ffstate.bench._report import free_ports
 from ffstate.testing.bitwise import compare_runs
 from helpers import assert_bitwise_equal
@@ -119,7 +120,7 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
     params = dict(_model().named_parameters())
     assert {k.rsplit(".", 1)[0] for k in plain["optim"]} == set(params)
     for r, shard in shards.items():
-        for it in persist.read.record(vdir, r)["items"]:
+        for it in persist_read.record(vdir, r)["items"]:
             if it["fqn"].startswith("optim.state."):
                 fqn, name = it["fqn"][len("optim.state."):].rsplit(".", 1)
                 index = int(shard_path(vdir, r, it["spec"]).split("/")[-2])
@@ -167,7 +168,7 @@ def shard_path(vdir: Path, rank: int, spec: int) -> str:
     """The state path of a rank's tensor ``spec`` (its manifest's name)."""
     from ffstate.layout import Manifest
 
-    return Manifest.from_json(persist.read.record(vdir, rank)["manifest"].encode()).tensors[spec].name
+    return Manifest.from_json(persist_read.record(vdir, rank)["manifest"].encode()).tensors[spec].name
 
 
 def _model():

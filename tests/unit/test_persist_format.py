@@ -17,6 +17,7 @@ from ffstate import checksum, codec, persist, razor
 from ffstate.capture import capture
 from ffstate.config import Config
 from ffstate.persist import keys as keymod
+from ffstate.persist import read as persist_read
 from ffstate.testing.models import TinyGPT
 from helpers import assert_bitwise_equal
 
@@ -104,7 +105,7 @@ def test_the_razor_s_parts_are_written_once_as_boxes_and_each_rank_reads_back_it
     assert_bitwise_equal(sd["model"], model.state_dict())
     # Each redundant byte is written once, by its part's owner: the model's elements, not three times them.
     model_elements = sum(t.numel() for t in model.state_dict().values())
-    written = [math.prod(it["sizes"]) for r in (0, 1, 2) for it in persist.read.record(vdir, r)["items"]
+    written = [math.prod(it["sizes"]) for r in (0, 1, 2) for it in persist_read.record(vdir, r)["items"]
                if it["fqn"].startswith("model.")]
     assert sum(written) == model_elements and len(written) > len(model.state_dict())  # runs cut into boxes
 

@@ -199,7 +199,7 @@ def test_a_version_the_stop_queued_is_not_copied_again_when_the_replicator_offer
     p = persister(tmp_path / "store", budget, every=1)
     try:
         assert p.final([shard]) == ["j/rank 0 of 1: version 3 flushed"]
-        view, data = shard.slots.read(3, lambda v: (v.data.clone(), 0))
+        view, data = shard.slots.read(3, lambda v: (v.data.copy(), 0))
         p.offer(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data, 0, None, lambda: True)
         assert len(asked) == 1, asked
     finally:
@@ -219,7 +219,7 @@ def test_a_job_s_end_waits_for_the_replicator_s_copy_of_its_last_version(rank_sl
         return real(*args, **kwargs)
 
     monkeypatch.setattr(persister_module, "Copy", slow)
-    view, data = shard.slots.read(3, lambda v: (v.data.clone(), 0))
+    view, data = shard.slots.read(3, lambda v: (v.data.copy(), 0))
     offer = threading.Thread(target=p.offer, args=(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data,
                                                    persister_module.codec.buffer_checksum(data), None, lambda: True))
     offer.start()
@@ -267,7 +267,7 @@ def test_a_version_is_recorded_as_reached_before_its_files_are_written(rank_slot
     p._flusher.flush = flush
     try:
         for v in (2, 3):
-            view, data = shard.slots.read(v, lambda v: (v.data.clone(), 0))
+            view, data = shard.slots.read(v, lambda v: (v.data.copy(), 0))
             p.offer(shard.key, v, shard.slots.manifest.with_scalars(view.scalars), data,
                     persister_module.codec.buffer_checksum(data), None, lambda: True)
             deadline = time.monotonic() + 60

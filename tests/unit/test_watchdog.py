@@ -273,7 +273,7 @@ def warm_real_ranks(tmp_path, monkeypatch, ranks: dict[str, tuple[ShardKey, int,
     for name, (key, _, _) in ranks.items():
         paths = shm.slot_paths("n0", key.job_id, key.rank, key.world_size)
         shm.create_slots(paths, manifest, 4096)
-        slots[name] = (shm.Slots(paths, manifest), shm.Slots(paths, manifest))  # (the worker's, the daemon's)
+        slots[name] = (shm.Slots(paths, manifest), shm.Slots(paths, manifest, tensors=False))  # (the worker's, the daemon's)
     clock = {"now": time.time()}
     signals: list[tuple[int, int]] = []
     # hang_multiple 2: the deadline stays at the floor unless a gap between these real commits passes 1 s (at the
