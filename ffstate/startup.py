@@ -1,13 +1,14 @@
 """A process's start: its imports with Python's cyclic collector paused, the objects they made frozen after; and
 its end without the interpreter's finalization, where torch's gloo threads can abort it.
 
-Importing torch (or a training script's framework; ffstate's daemon imports neither) makes some 200,000 objects that live as
-long as the process. CPython's collector walks them again and again while the imports run (a young collection every
-700 new objects, a full one each time the objects that survived grew by a quarter), and once more when the
-interpreter ends. Measured on this project's 2-core machine (5 runs each), `import` of the demo worker's modules,
-then exit: 2.96 s of CPU as it is, 1.89 s with the collector paused for the imports and the result frozen
+Importing torch (or a training script's framework; ffstate's daemon imports neither) makes some 200,000 objects
+that live as long as the process. CPython's collector walks them again and again while the imports run (a young
+collection every 700 new objects, a full one each time the objects that survived grew by a quarter), and once more
+when the interpreter ends. Measured on this project's 2-core machine (5 runs each), `import` of the demo worker's
+modules, then exit: 2.96 s of CPU as it is, 1.89 s with the collector paused for the imports and the result frozen
 (``gc.freeze``: never walked again, never freed, as a module's objects are not anyway); the daemon's modules 1.97 s,
-1.37, when the daemon still imported torch (it no longer does: 0.56 s of CPU to its first idle moment, paused). A full collection in a process with torch imported walks them all: 88 ms, against microseconds once they are
+1.37, when the daemon still imported torch (it no longer does: 0.56 s of CPU to its first idle moment, paused). A
+full collection in a process with torch imported walks them all: 88 ms, against microseconds once they are
 frozen. The cyclic garbage the imports leave is frozen with the rest, not freed: 8,679 objects in the demo worker,
 where collecting them first would cost 0.24 s.
 
