@@ -19,8 +19,9 @@ NumPy arrays or tensors). The names below are the codec's API; those of the trai
 are imported on first use, so that the daemon, which only encodes and decodes buffers, runs without torch.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ffstate import lazy
 from ffstate.codec.backend import _map, _pool, _use_kernels, buffer_checksum, fingerprint
 from ffstate.codec.chunks import (CHUNK_OVERHEAD, DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MAX_HEADER_BYTES,
                                   MIN_CHUNK_BYTES, Chunk, Packed, Snapshot, segments, verify_chunks)
@@ -35,19 +36,7 @@ if TYPE_CHECKING:
 _TORCH_SIDE = {"Decoder": "ffstate.codec.decoder", **{n: "ffstate.codec.packing" for n in (
     "pack", "pack_into", "pack_targets", "restore_into", "unpack", "unpack_verified")}}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_SIDE:
-        import importlib
-
-        value = getattr(importlib.import_module(_TORCH_SIDE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ffstate.codec' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.attach(globals(), _TORCH_SIDE)
 
 
 __all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",

@@ -15,8 +15,9 @@ wire names as torch's dtypes), ``host`` (host buffers without torch). ``manifest
 names from torch's side are imported when first used.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ffstate import lazy
 from ffstate.layout.gc import gc_paused
 from ffstate.layout.manifest import (ALIGN, DTYPE_SIZES, MAX_NDIM, MAX_TENSORS, Group, Manifest, TensorSpec,
                                      build_manifest, diff_layouts, per_layout)
@@ -36,21 +37,7 @@ _TORCH_SIDE = {
     "ffstate.layout.tree": ("_match_known", "analyze", "analyze_known", "decode_scalar", "describe", "encode_scalar",
                             "flatten", "is_parameter", "unflatten"),
 }
-_WHERE = {name: module for module, names in _TORCH_SIDE.items() for name in names}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        import importlib
-
-        value = getattr(importlib.import_module(_WHERE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ffstate.layout' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.attach(globals(), {name: module for module, names in _TORCH_SIDE.items() for name in names})
 
 
 __all__ = ["ALIGN", "DTYPES", "DTYPE_NAMES", "DTYPE_SIZES", "Group", "MAX_NDIM", "MAX_TENSORS", "Manifest",

@@ -7,8 +7,9 @@ version's DCP items), ``write`` (a rank's files, the version made complete, rete
 reading a version back).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ffstate import lazy
 from ffstate.persist.keymap import check_keys
 from ffstate.persist.write import (COMPLETE, complete_versions, drop_newer, finalize, note_reached, prune, reached,
                                    remove_rank, version_dir, worlds, write_rank)
@@ -23,19 +24,7 @@ _TORCH_SIDE = {"Item": "ffstate.persist.items", "boxes": "ffstate.persist.items"
                "PersistError": "ffstate.persist.read", "check": "ffstate.persist.read",
                "read_shard": "ffstate.persist.read"}
 
-
-def __getattr__(name: str) -> Any:
-    if name in _TORCH_SIDE:
-        import importlib
-
-        value = getattr(importlib.import_module(_TORCH_SIDE[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ffstate.persist' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.attach(globals(), _TORCH_SIDE)
 
 
 __all__ = ["COMPLETE", "Item", "PersistError", "boxes", "check", "check_keys", "complete_versions", "drop_newer",
