@@ -54,7 +54,6 @@ class Copy:
     in-memory file (the persister's side)."""
 
     def __init__(self, data: np.ndarray, meta: dict):
-        data = np.asarray(data)  # a CPU tensor as is (a test's slots)
         raw = json.dumps(meta, separators=(",", ":")).encode()
         self.nbytes, self.meta_bytes = data.size, len(raw)
         self.fd = os.memfd_create("ffstate-flush", os.MFD_CLOEXEC)
