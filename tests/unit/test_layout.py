@@ -379,3 +379,13 @@ def test_is_parameter_knows_parameters_of_every_kind():
     assert [s.kind for s in m.tensors] == ["param", "tensor"]
     assert layout.analyze_known(state, m)[0] == m
     assert layout.analyze_known({"p": torch.ones(2).as_subclass(Sub), "t": torch.ones(2)}, m)[0].layout_id != m.layout_id
+
+
+def test_the_daemon_s_dtype_sizes_are_torch_s():
+    """The daemon checks manifests and lays out dtype groups by ``DTYPE_SIZES`` without torch: every wire name must
+    be torch's dtype of that size, or a daemon would cut a group's segments at the wrong element boundaries."""
+    from ffstate.layout.dtypes import DTYPES
+    from ffstate.layout.manifest import DTYPE_SIZES
+
+    assert set(DTYPES) == set(DTYPE_SIZES)
+    assert {name: DTYPES[name].itemsize for name in DTYPE_SIZES} == DTYPE_SIZES
