@@ -34,6 +34,7 @@ STRANGERS = 16  # places beyond the offers' for connections whose ticket is not 
 HELLO_TIMEOUT = 5.0
 SEND_TIMEOUT = 60.0
 LOG_EVERY = 1.0  # seconds between logged refusals (the rest are counted)
+ACCEPT_RETRY = 0.05  # seconds between tries to accept after it failed (out of descriptors: it fails until one is closed)
 
 
 @dataclass
@@ -141,8 +142,14 @@ class BulkServer:
         while True:
             try:
                 conn, peer = self._sock.accept()
-            except OSError:  # closed
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                # Out of descriptors or memory (EMFILE, ENFILE, ENOBUFS), or a connection gone before it was taken: the
+                # socket serves on (the callers wait in its queue), where ending this thread would leave it deaf.
+                self._say(f"the bulk socket could not take a connection ({e}); it tries again")
+                time.sleep(ACCEPT_RETRY)
+                continue
             if self._closed:
                 conn.close()
                 return
@@ -198,11 +205,14 @@ class BulkServer:
 
     def _refuse(self, peer: tuple, status: str, why: str) -> None:
         self._refused(status)
+        self._say(f"refused a bulk connection from {peer[0]}: {why}")
+
+    def _say(self, what: str) -> None:
+        """Logs ``what`` unless something was logged less than ``LOG_EVERY`` ago (then it is counted)."""
         now = time.monotonic()
         last, quiet = self._logged
         if now - last >= LOG_EVERY:
-            more = f" (and {quiet} more since)" if quiet else ""
-            log.warning("refused a bulk connection from %s: %s%s", peer[0], why, more)
+            log.warning("%s%s", what, f" (and {quiet} more since)" if quiet else "")
             self._logged = (now, 0)
         else:
             self._logged = (last, quiet + 1)

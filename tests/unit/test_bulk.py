@@ -5,6 +5,8 @@ the error it must give, and its fallback to gRPC where the socket cannot be used
 
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -203,6 +205,51 @@ def test_strangers_are_counted_logged_at_most_once_a_second_and_close_cuts_off_a
             assert released == [77]
     finally:
         s.close()
+
+
+# A daemon that runs out of file descriptors for a moment: its bulk socket cannot take a connection (accept fails
+# with EMFILE) until some are given back. Run apart: the limit is the whole process's.
+OUT_OF_DESCRIPTORS = """
+import logging, os, resource, sys, time
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from ffstate.bulk.server import BulkServer
+s = BulkServer("127.0.0.1", 0, lambda n: None)
+ticket = s.offer(3, [], reserved=0)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+held = []
+try:
+    while True:
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:  # from here no descriptor is to be had
+    pass
+print(s.port, ticket.hex(), flush=True)
+sys.stdin.readline()  # the test has connected: its connection waits in the listen queue, accept fails meanwhile
+time.sleep(1.0)
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+time.sleep(20)
+"""
+
+
+def test_a_bulk_socket_out_of_descriptors_for_a_while_serves_again_once_it_has_them():
+    proc = subprocess.Popen([sys.executable, "-c", OUT_OF_DESCRIPTORS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        port, ticket = proc.stdout.readline().split()
+        # A thread waiting in accept has its descriptor already (the kernel takes it first): the first connection
+        # may be taken with it, the second cannot.
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=20), \
+                socket.create_connection(("127.0.0.1", int(port)), timeout=20) as c:
+            proc.stdin.write("connected\n")
+            proc.stdin.flush()
+            c.sendall(bytes.fromhex(ticket))
+            assert HELLO.unpack_from(c.recv(HELLO.size)) == (MAGIC, 3, 0)  # served once there were descriptors
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=20)
+    assert "could not take a connection" in err and "Too many open files" in err, err[-2000:]
 
 
 def test_a_pinned_port_is_bound_again_at_once_after_it_served():
