@@ -151,7 +151,11 @@ class Drainer:
             with self._lock:
                 active = [d for d in self.drains.values() if d.state in ("draining", "drained")]
                 for d in active:
-                    self._look(d)
+                    try:
+                        self._look(d)
+                    except Exception as e:  # noqa: BLE001 (a bug must not end the watch silently, the drain left "draining")
+                        d.state, d.message = "failed", f"following the drain failed: {e!r}"
+                        log.exception("drain of job %s", d.job)
                 if not active:
                     return
             if self._done.wait(LOOK):
@@ -183,6 +187,8 @@ class Drainer:
                     d.signalled.append(pid)
                 except ProcessLookupError:
                     continue
+                except OSError as e:  # not this daemon's to signal (another user's): said; the others still are
+                    log.error("drain of job %s: could not send SIGTERM to pid %d: %s", d.job, pid, e)
             d.state, d.left = "left", time.time()
             d.message = f"sent SIGTERM to {d.signalled} (the ranks' torchrun agent, or the workers)"
             log.warning("drain of job %s: %s; the job goes on without this node from step %d", d.job, d.message,

@@ -279,19 +279,25 @@ class Persister:
 
     def _note_reached(self) -> None:
         """The newest version taken per job, to ``reached-<node>.json`` beside its versions (best effort): a resume
-        from disk counts its steps lost from it. And the newest complete version of a job a restore stepped back."""
+        from disk counts its steps lost from it. And the newest complete version of a job a restore stepped back.
+        Never raises: its thread writes every version (a failure is said, at most every ``ERROR_LOG_EVERY``)."""
         with self._lock:
             recount, self._recount = self._recount, set()
-        for job in recount:
-            self._complete[job] = max(persist.complete_versions(self.root / job), default=0)
-            self.stats.newest_complete = max(self._complete.values(), default=0)
-        for job, version in list(self._reached.items()):
-            if self._noted.get(job) != version:
-                try:
-                    persist.note_reached(self.root / job, self.node_id, version)
-                    self._noted[job] = version
-                except OSError:  # a failing filesystem shows in the flushes
-                    pass
+        try:
+            for job in recount:
+                self._complete[job] = max(persist.complete_versions(self.root / job), default=0)
+                self.stats.newest_complete = max(self._complete.values(), default=0)
+            for job, version in list(self._reached.items()):
+                if self._noted.get(job) != version:
+                    try:
+                        persist.note_reached(self.root / job, self.node_id, version)
+                        self._noted[job] = version
+                    except OSError:  # a failing filesystem shows in the flushes
+                        pass
+        except Exception as e:  # noqa: BLE001 (a failing filesystem, or a bug: the flushes go on)
+            with self._lock:
+                self._recount |= recount  # counted again at the next look
+            self._failed("reached", f"counting the complete versions failed: {e!r}", count=False)
 
     def _run(self) -> None:
         try:  # it imports torch and torch.distributed.checkpoint (seconds of CPU) while the job starts

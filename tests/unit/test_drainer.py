@@ -1,6 +1,6 @@
 """The daemon's side of a drain (``daemon/drain.py``) over a rank's real slots in shared memory, the worker's side
 played by hand through the slot header: a drain that stays (``ffstate drain --stay``) and is then asked to leave,
-and one whose ranks gave up their hold; the drains' thread ends with its node."""
+and one whose ranks gave up their hold; the drains' thread ends with its node, and what it cannot do is said."""
 
 import os
 import signal
@@ -76,3 +76,29 @@ def test_a_drain_whose_ranks_gave_up_their_hold_is_over_and_a_new_request_drains
     assert "gave the drain up" in drainer.report("j").message
     worker.set_drain(0.0)
     assert drainer.request("j", leave=True).state == "draining" and worker.drain()[0] > 0  # a new drain, asked anew
+
+
+def test_a_rank_s_agent_not_ours_to_signal_is_said_and_a_failure_to_follow_the_drain_fails_it(rank, caplog):
+    shard, worker = rank
+
+    def refuse(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    drainer = Drainer(lambda: [shard], kill=refuse)
+    drainer.request("j", leave=True)
+    worker.set_drained(7)
+    until(drainer, "left")  # the drain goes on to its end
+    assert "could not send SIGTERM" in caplog.text and "Operation not permitted" in caplog.text
+
+    class Broken:  # the rank's slots, but for a bug where the drain looks for the worker to signal
+        def __getattr__(self, name):
+            return getattr(shard.slots, name)
+
+        def worker(self):
+            raise ValueError("a bug")
+
+    broken = SimpleNamespace(key=shard.key, holders=shard.holders, replicated_version=7, slots=Broken())
+    drainer = Drainer(lambda: [broken], kill=lambda pid, sig: None)
+    drainer.request("j", leave=True)
+    until(drainer, "failed")  # said in the report, not left "drained" by a thread that died
+    assert "following the drain failed" in drainer.report("j").message

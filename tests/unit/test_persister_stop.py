@@ -250,6 +250,38 @@ def test_a_restore_recounts_the_newest_complete_version_of_its_job_only(rank_slo
         p.close()
 
 
+def test_a_recount_that_fails_is_said_tried_again_and_the_thread_goes_on_writing(rank_slots, tmp_path, monkeypatch,
+                                                                                 caplog):
+    shard, _ = rank_slots
+    p = persister(tmp_path / "store", every=1)
+    real, fails = persist.complete_versions, []
+
+    def complete_versions(job_dir, world=None):  # the first two recounts meet a filesystem error
+        if len(fails) < 2 and job_dir.name == "j" and world is None and p._complete.get("j"):
+            fails.append(job_dir)
+            raise PermissionError(13, "Permission denied", str(job_dir))
+        return real(job_dir, world)
+
+    monkeypatch.setattr(persister_module.persist, "complete_versions", complete_versions)
+    try:
+        p._complete["j"] = 3
+        p.forget_after(shard.key, 2)
+        deadline = time.monotonic() + 20
+        while p._complete["j"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(fails) == 2 and p._complete["j"] == 0  # tried again until it could count
+        assert "counting the complete versions failed" in caplog.text and "Permission denied" in caplog.text
+        view, data = shard.slots.read(3, lambda v: (v.data.copy(), 0))  # the thread still writes versions
+        p.offer(shard.key, 3, shard.slots.manifest.with_scalars(view.scalars), data,
+                persister_module.codec.buffer_checksum(data), None, lambda: True)
+        deadline = time.monotonic() + 60
+        while real(tmp_path / "store" / "j") != [3] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert real(tmp_path / "store" / "j") == [3]
+    finally:
+        p.close()
+
+
 def test_a_version_is_recorded_as_reached_before_its_files_are_written(rank_slots, tmp_path):
     """A whole job lost right after the flushing process completed a version (it finalizes the last rank's part)
     must not leave that version newer than every ``reached-<node>.json``: each version is noted before its flush.
