@@ -93,14 +93,19 @@ def alive(pid: int) -> bool:
         return True
 
 
-def where(stacks: str) -> str:
-    """The main thread's innermost frame in a ``faulthandler`` dump, and its innermost outside torch."""
+# ffstate's own files (the worker's frames in a collective's hook or a commit are not the user's code)
+PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def where(stacks: str, package: str = PACKAGE) -> str:
+    """The main thread's innermost frame in a ``faulthandler`` dump, and its innermost outside torch and ffstate
+    (``package``: its folder)."""
     block = stacks.split("Current thread", 1)[-1] if "Current thread" in stacks else stacks
     frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
     if not frames:
         return "no stack written"
     inner = frames[0]
-    own = next((f for f in frames if "/torch/" not in f), None)
+    own = next((f for f in frames if "/torch/" not in f and not f.startswith(f'File "{package}')), None)
     return inner if own in (None, inner) else f"{inner}; in its own code: {own}"
 
 

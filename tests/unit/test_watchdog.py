@@ -4,8 +4,10 @@ first steps' allowance), a declared pause, the stacks asked for before the kill,
 import contextlib
 import os
 import signal
+from pathlib import Path
 
 from ffstate.config import DaemonConfig
+from ffstate.daemon import watchdog
 from ffstate.daemon.watchdog import STRAGGLER_LOOKS, Watchdog, where
 from ffstate.ids import ShardKey
 from ffstate.shm.slots import WorkerRecord
@@ -229,6 +231,13 @@ def test_where_reads_the_main_thread_from_a_faulthandler_dump():
     assert where('Current thread 0x1 (most recent call first):\n  File "/w/train.py", line 9 in hang\n') == \
         'File "/w/train.py", line 9 in hang'
     assert where("") == "no stack written"
+    in_hook = ('Current thread 0x1 (most recent call first):\n'
+               '  File "/v/site-packages/torch/distributed/distributed_c10d.py", line 2800 in all_reduce\n'
+               '  File "/v/site-packages/ffstate/scheduling/marks.py", line 65 in marked\n'
+               '  File "/v/site-packages/torch/nn/parallel/distributed.py", line 1600 in forward\n'
+               '  File "/w/train.py", line 40 in step\n')  # ffstate's frames are not the user's code either
+    assert where(in_hook, "/v/site-packages/ffstate/").endswith('in its own code: File "/w/train.py", line 40 in step')
+    assert watchdog.PACKAGE.endswith("/ffstate/") and (Path(watchdog.PACKAGE) / "daemon" / "watchdog.py").exists()
 
 
 def test_steps_much_shorter_than_a_look_end_the_warm_up_and_a_hang_after_them_is_acted_on(monkeypatch):
