@@ -287,13 +287,7 @@ class Persister:
             for job in recount:
                 self._complete[job] = max(persist.complete_versions(self.root / job), default=0)
                 self.stats.newest_complete = max(self._complete.values(), default=0)
-            for job, version in list(self._reached.items()):
-                if self._noted.get(job) != version:
-                    try:
-                        persist.note_reached(self.root / job, self.node_id, version)
-                        self._noted[job] = version
-                    except OSError:  # a failing filesystem shows in the flushes
-                        pass
+            _note(self.root, self.node_id, self._reached, self._noted)
         except Exception as e:  # noqa: BLE001 (a failing filesystem, or a bug: the flushes go on)
             with self._lock:
                 self._recount |= recount  # counted again at the next look
@@ -372,6 +366,17 @@ class Persister:
         if now - self._logged.get(kind, -ERROR_LOG_EVERY) >= ERROR_LOG_EVERY:
             self._logged[kind] = now
             log.error("%s (training goes on; such failures logged at most every %.0fs)", message, ERROR_LOG_EVERY)
+
+
+def _note(root: Path, node_id: str, reached: dict[str, int], noted: dict[str, int]) -> None:
+    """Each job's newest version taken (``reached``), to its ``reached-<node>.json`` where not written yet (``noted``)."""
+    for job, version in list(reached.items()):
+        if noted.get(job) != version:
+            try:
+                persist.note_reached(root / job, node_id, version)
+                noted[job] = version
+            except OSError:  # best effort: a failing filesystem shows in the flushes
+                pass
 
 
 def _one_world(shards: list, said: list[str]) -> list:
