@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import secrets
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from ffstate import placement
 from ffstate.client import Client
 from ffstate.config import Config
+from ffstate.daemon import running
 from ffstate.errors import FFStateError
 
 log = logging.getLogger("ffstate.job")
@@ -57,8 +57,7 @@ class Job:
                                         or self.world > 1)
         self.generation = self._generation()  # this attempt's name, the same on every rank
         self.prefix = f"ffstate/{self.job}/{self.generation}"
-        self.run_dir = Path(tempfile.gettempdir()) / f"ffstate-{self.job}"
-        self.run_dir.mkdir(exist_ok=True)
+        self.run_dir = running.run_dir(self.job)
         self.token = self._token()
         self.global_committed = 0  # min over ranks of the version all their holders have, as last seen
         self._clients: dict[str, Client] = {}

@@ -13,6 +13,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ffstate import placement
+from ffstate.errors import FFStateError
+
+
+def run_dir(job: str) -> Path:
+    """``$TMPDIR/ffstate-<job>/``, the job's run folder on this machine (its daemons' addresses, pids, tokens and logs,
+    the job's events, the watchdog's stacks), made if missing, and private to this user (mode 0700).
+
+    Raises:
+        FFStateError: it belongs to another user (two users' jobs of one name on a shared machine).
+    """
+    path = Path(tempfile.gettempdir()) / f"ffstate-{job}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise FFStateError(f"{path}, the run folder of job {job}, belongs to another user (uid {st.st_uid}): name the "
+                           "job apart (FFSTATE_JOB_ID, or torchrun's --rdzv-id) or set TMPDIR to a folder of yours")
+    if st.st_mode & 0o077:  # made by an earlier ffstate, or by hand
+        path.chmod(0o700)
+    return path
 
 
 @dataclass(frozen=True)

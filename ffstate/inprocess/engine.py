@@ -19,10 +19,8 @@ import gc
 import importlib
 import logging
 import os
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -33,6 +31,7 @@ from nvidia_resiliency_ext.inprocess.state import Mode
 
 from ffstate import inflight, placement
 from ffstate.config import Config
+from ffstate.daemon import running
 from ffstate.errors import FFStateError
 from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
@@ -160,7 +159,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     process, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     layout = layout_of(cfg, processes)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    run_dir = Path(tempfile.gettempdir()) / f"ffstate-{job_id(cfg)}"
+    run_dir = running.run_dir(job_id(cfg))
     if placement.is_local(host):
         ensure(host, port, run_dir)
     wait_listening(host, port, START_WAIT)  # a process on another node may start first: meets the host without delay
