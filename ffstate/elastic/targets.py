@@ -10,6 +10,7 @@ optimizer holds) gets tensors of the sizes the metadata says, and its inner opti
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -91,7 +92,9 @@ def _check_model(msd: dict, chunks: Chunks) -> None:
 
 def _dcp_load(target: dict, chunks: Chunks) -> None:
     try:
-        dcp.load(target, storage_reader=ReplicaReader(chunks), no_dist=True)
+        with warnings.catch_warnings():  # DCP warns that a load with no_dist is one process's: it is, by design
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+            dcp.load(target, storage_reader=ReplicaReader(chunks), no_dist=True)
     except FFStateError:
         raise
     except Exception as e:  # DCP's CheckpointException wraps what failed on this rank
