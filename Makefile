@@ -2,8 +2,10 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-# The CPU build of torch; an unpinned `pip install torch` pulls GBs of CUDA packages.
-TORCH_SPEC ?= torch==2.13.0
+# The CPU build of torch (an unpinned `pip install torch` pulls GBs of CUDA packages): from the sources pip is set
+# up with where one has it, else from PyTorch's CPU index (PyPI has no +cpu builds).
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 STAMP  := $(VENV)/.installed
 
 .PHONY: install test bench demo proto docs clean prometheus
@@ -11,7 +13,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" --index-url "$(TORCH_INDEX)"
 	$(PY) -m pip install -q -e ".[test,bench]"
 	# nvidia-resiliency-ext 0.4.1 pulls in the deprecated pynvml shim beside nvidia-ml-py; the shim's import hook makes
 	# torch warn in every process. nvidia-ml-py provides the same module.
