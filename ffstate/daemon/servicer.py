@@ -60,8 +60,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED, before any handler runs, for a call without the job's token."""
 
     def __init__(self, token: str, on_refuse: Callable[[str], None] = lambda status: None):
-        self._token = token
-        self._on_refuse = on_refuse
+        self._token, self._on_refuse = token, on_refuse
 
         def deny(request: Any, context: grpc.ServicerContext) -> None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -118,7 +117,8 @@ class Servicer:
         last, quiet = self._logged.get((method, code.name), (0.0, 0))
         if now - last >= LOG_EVERY:
             more = f" (and {quiet} more since)" if quiet else ""
-            log.warning("refused %s: %s: %s%s", method or "a call", code.name, message[:300], more)
+            normal = (method, code) == ("Lookup", grpc.StatusCode.NOT_FOUND)  # a rank's entry asks before it attaches
+            (log.info if normal else log.warning)("refused %s: %s: %s%s", method or "a call", code.name, message[:300], more)
             self._logged[(method, code.name)] = (now, 0)
         else:
             self._logged[(method, code.name)] = (last, quiet + 1)
