@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ffstate.bulk.frames import FRAME, HELLO, MAGIC, TICKET_BYTES, recv_exactly, send_parts
 from ffstate.errors import ReplicaError
@@ -42,7 +42,7 @@ class _Offer:
     expires: float
     version: int
     chunks: Sequence  # codec.Chunk: index, count, checksum, payload
-    reserved: int  # bytes of the daemon's budget to release once served or expired
+    reserved: Any  # what the daemon holds for it (``release`` takes it back), once served or expired
     what: str  # whose chunks, for the log
     handler: Callable[[socket.socket, tuple], None] | None = None  # a push: it reads the connection and answers
 
@@ -51,7 +51,7 @@ class BulkServer:
     """Listens at ``host:port`` (0: a port the kernel picks) and serves offers; ``release(nbytes)`` gives an offer's
     reservation back, ``touch()`` marks the daemon active, ``refused(status)`` counts a refused connection."""
 
-    def __init__(self, host: str, port: int, release: Callable[[int], None], touch: Callable[[], None] = lambda: None,
+    def __init__(self, host: str, port: int, release: Callable[[Any], None], touch: Callable[[], None] = lambda: None,
                  refused: Callable[[str], None] = lambda status: None, max_connections: int | None = None):
         host = host.strip("[]")
         if not host and socket.has_dualstack_ipv6():  # every address, as gRPC's ":port" listens: IPv6 and IPv4
@@ -73,7 +73,7 @@ class BulkServer:
         self._thread = threading.Thread(target=self._accept, name="bulk-accept", daemon=True)
         self._thread.start()
 
-    def offer(self, version: int, chunks: Sequence, reserved: int, what: str = "") -> bytes:
+    def offer(self, version: int, chunks: Sequence, reserved: Any, what: str = "") -> bytes:
         """A ticket for ``chunks`` (of ``what``, a shard's name for the log); the offer owns ``reserved`` from here on
         (released when served or expired).
 

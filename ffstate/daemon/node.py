@@ -26,7 +26,9 @@ from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
 from ffstate.daemon.shard import GONE as _GONE
 from ffstate.daemon.shard import LocalShard, copy_verified
-from ffstate.daemon.store import IncomingChunk, Store
+from ffstate.daemon.held import IncomingChunk
+from ffstate.daemon.served import Counted, Hold
+from ffstate.daemon.store import SERVE_WAIT, Store
 from ffstate.daemon.watchdog import Watchdog
 from ffstate.errors import FFStateError, ReplicaError
 from ffstate.ids import ShardKey, check_id
@@ -254,13 +256,13 @@ class Node:
     def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
         return self.store.step_back(key, version)
 
-    def fetch(self, key: ShardKey, version: int, only: Sequence[int] = ()) -> tuple[int, Packed, int]:
-        """(version, full encoding or the chunks ``only``, bytes to ``release`` once streamed) of a rank or replica."""
+    def fetch(self, key: ShardKey, version: int, only: Sequence[int] = ()) -> tuple[int, Packed, Hold]:
+        """(version, full encoding or the chunks ``only``, what to ``release`` once streamed) of a rank or replica."""
         shard = self.local.get(key)
         if shard is None:
-            return (*self.store.fetch(key, version, only), 0)  # the store keeps (and counts) what it serves
+            return self.store.fetch(key, version, only)  # counted while it is read (or cached)
         nbytes = shard.manifest.nbytes
-        self.store.reserve(2 * nbytes, f"serving {key} from its slots")  # a copy and its encoding
+        self.store.reserve(2 * nbytes, f"serving {key} from its slots", SERVE_WAIT)  # a copy and its encoding
         try:
             got = copy_verified(shard.slots, version)
             if got is None and version:  # older than the slots: step the daemon's copy back (docs/design.md I3)
@@ -271,13 +273,14 @@ class Node:
                 raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
                                    f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
                                    f"({shard.versions_back()})", "NOT_FOUND")
-            return got[0], codec.encode_chunks(got[1], only) if only else codec.encode_snapshot(got[1]), 2 * nbytes
+            packed = codec.encode_chunks(got[1], only) if only else codec.encode_snapshot(got[1])
+            return got[0], packed, Counted(self.store.release, 2 * nbytes)
         except BaseException:
             self.store.release(2 * nbytes)
             raise
 
-    def release(self, nbytes: int) -> None:
-        self.store.release(nbytes)
+    def release(self, held: Hold | int) -> None:
+        held and held.release()  # 0: nothing held (a push's offer on the bulk socket)
 
     def drop(self, job_id: str, rank: int | None, world: int | None = None) -> int:
         """Drops a job's shard (``rank``) or all (None) of world size ``world`` (None: any), replicas and slots."""

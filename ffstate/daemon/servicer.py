@@ -24,7 +24,7 @@ from ffstate.bulk.frames import FRAME, recv_exactly, recv_into
 from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
-from ffstate.daemon.store import IncomingChunk
+from ffstate.daemon.held import IncomingChunk
 from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
 from ffstate.ids import ShardKey, check_id
 from ffstate.reports import RazorReport
@@ -216,7 +216,7 @@ class Servicer:
         return self._guard("Commit", context, run)
 
     def _fetched(self, request: pb.FetchRequest) -> tuple[int, list, int]:
-        """(version, the chunks ``request`` asks for, bytes reserved until they are sent): Fetch's and FetchBulk's
+        """(version, the chunks ``request`` asks for, what is held until they are sent): Fetch's and FetchBulk's
         checks and work, before anything is sent."""
         wanted = list(request.chunks)
         _ascending(wanted)  # before anything is copied or encoded

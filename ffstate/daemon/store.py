@@ -12,17 +12,17 @@ never sees protobuf types.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from ffstate import codec
 from ffstate import checksum
 from ffstate.codec import Chunk, Packed, Snapshot, host
 from ffstate.codec.chunks import other_format
+from ffstate.daemon.held import Delta, IncomingChunk, Replica, Staging
+from ffstate.daemon.served import Lease, Served
 from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
 
@@ -32,59 +32,7 @@ MAX_CHUNKS = 1 << 20
 # Bytes a staged chunk costs the daemon beside its payload (its message, Chunk, memoryview and list slot;
 # measured: 200,000 empty chunks took about 200 MB), counted against the budget with the payload.
 CHUNK_BOOKKEEPING = 1 << 10
-
-
-@dataclass
-class Delta:
-    """An applied delta, kept for step-back: it produced ``version`` from ``version_before``."""
-
-    version: int
-    version_before: int
-    packed: Packed
-    scalars_before: tuple
-
-
-@dataclass
-class Replica:
-    key: ShardKey
-    snapshot: Snapshot
-    version: int
-    source: str
-    updated: float
-    history: collections.deque = field(default_factory=collections.deque)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return host.size(self.snapshot.buffer) + sum(d.packed.nbytes for d in self.history)
-
-    @property
-    def versions(self) -> list[int]:
-        return [self.version] + [d.version_before for d in reversed(self.history)]
-
-
-@dataclass
-class Staging:
-    key: ShardKey
-    version: int
-    base_version: int
-    packed: Packed
-    reserved: int
-    source: str
-    at: float = field(default_factory=time.monotonic)  # when it was staged: it expires (``expire_staged``)
-
-
-@dataclass(frozen=True)
-class IncomingChunk:
-    """A pushed chunk as the servicer hands it over (plain values, not protobuf)."""
-
-    key: ShardKey
-    version: int
-    base_version: int
-    index: int
-    count: int
-    checksum: int
-    payload: bytes | memoryview
+SERVE_WAIT = 60.0  # seconds a fetch waits for the encodings being served to be sent, where the budget has no room
 
 
 class Store:
@@ -96,11 +44,11 @@ class Store:
         self.max_chunk_bytes = max_chunk_bytes
         self._used = 0
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified as bytes are given back
         self._replicas: dict[ShardKey, Replica] = {}
         self._staged: dict[ShardKey, Staging] = {}
-        # The last full encoding served, kept (and reserved) so that several readers of one version
-        # (striped fetches, retries, restarting ranks) do not each pay for encoding it again.
-        self._served: tuple[ShardKey, int, int, Packed] | None = None
+        # The encodings being served, and the last one kept: counted while they live (``served.py``).
+        self.served = Served(self.reserve, self.release)
 
     # ------------------------------------------------------------ budget
 
@@ -108,12 +56,17 @@ class Store:
     def used(self) -> int:
         return self._used
 
-    def reserve(self, nbytes: int, what: str) -> None:
-        """Counts ``nbytes`` against the budget, or raises RESOURCE_EXHAUSTED without counting anything."""
-        with self._lock:
-            if self._used + nbytes > self.budget and self._served is not None:
-                self._used -= self._served[3].nbytes  # the served-encoding cache goes first
-                self._served = None
+    def reserve(self, nbytes: int, what: str, wait: float = 0.0) -> None:
+        """Counts ``nbytes`` against the budget, or raises RESOURCE_EXHAUSTED without counting anything; the cached
+        encoding goes first, and with ``wait`` the bytes being served have that many seconds to come back."""
+        deadline = time.monotonic() + wait
+        with self._room:
+            while self._used + nbytes > self.budget:
+                self._used -= self.served.forget()
+                left = deadline - time.monotonic()
+                if self._used + nbytes <= self.budget or left <= 0:
+                    break
+                self._room.wait(left)
             if self._used + nbytes > self.budget:
                 raise ReplicaError(
                     f"{what} needs {nbytes} more bytes; this daemon holds {self._used} of its {self.budget}-byte "
@@ -121,8 +74,9 @@ class Store:
             self._used += nbytes
 
     def release(self, nbytes: int) -> None:
-        with self._lock:
+        with self._room:
             self._used -= nbytes
+            self._room.notify_all()
 
     # ------------------------------------------------------------ push and commit
 
@@ -285,51 +239,40 @@ class Store:
             raise ReplicaError(f"no replica of {key} is held here", "NOT_FOUND")
         return held
 
-    def fetch(self, key: ShardKey, version: int = 0, only: Sequence[int] = ()) -> tuple[int, Packed]:
-        """(version, full encoding) of ``key`` at ``version`` (0: the newest), stepping a copy back if needed;
-        ``only``: just those chunks where no whole encoding is at hand (the newest version, not cached): a fetch by
-        name encodes what it asks for.
+    def fetch(self, key: ShardKey, version: int = 0, only: Sequence[int] = ()) -> tuple[int, Packed, Lease]:
+        """(version, its full encoding, a lease on it) of ``key`` at ``version`` (0: the newest), stepping a copy back if
+        needed; ``only``: just those chunks where no whole encoding is at hand (the newest version, not cached): a
+        fetch by name encodes what it asks for. Release the lease once the chunks are sent.
 
-        The encoding stays cached, and counted against the budget, until another is served or the
-        budget needs the room.
+        The encoding is counted against the budget before it is made, as large as the bytes it encodes (waiting up to
+        ``SERVE_WAIT`` for others being served to be sent), and for as long as it is read or cached (``served.py``).
         """
         held = self._get(key)
         with held.lock:
             version = version or held.version
-            with self._lock:
-                served = self._served
-            if served is not None and served[:3] == (key, version, held.snapshot.checksum):
-                return version, served[3]
-            if only and version == held.version:
-                return version, codec.encode_chunks(held.snapshot, only)
-            if version == held.version:
-                return version, self._remember(key, version, held.snapshot.checksum,
-                                               codec.encode_snapshot(held.snapshot))
+            if (lease := self.served.cached(key, version, held.snapshot.checksum)) is not None:
+                return version, lease.packed, lease
             if version not in held.versions:
                 raise ReplicaError(f"{key} version {version} is not held here (held: {held.versions})", "NOT_FOUND")
-            size = host.size(held.snapshot.buffer)
-            self.reserve(size, f"a copy of {key} stepped back to version {version}")
-            try:
-                snap = Snapshot(held.snapshot.manifest, host.clone(held.snapshot.buffer), held.snapshot.checksum)
-                for d in reversed(held.history):
-                    if d.version <= version:
-                        break
-                    snap = codec.revert_snapshot(d.packed, snap, d.scalars_before)
-                packed = codec.encode_snapshot(snap)
-            finally:
-                self.release(size)
-            return version, self._remember(key, version, held.snapshot.checksum, packed)
-
-    def _remember(self, key: ShardKey, version: int, checksum: int, packed: Packed) -> Packed:
-        """Keeps ``packed`` (reserved) as the served-encoding cache, or refuses it if the budget cannot hold it."""
-        with self._lock:
-            if self._served is not None:
-                self._used -= self._served[3].nbytes
-                self._served = None
-        self.reserve(packed.nbytes, f"the encoding of {key} version {version} being served")
-        with self._lock:
-            self._served = (key, version, checksum, packed)
-        return packed
+            part = only and version == held.version
+            manifest = held.snapshot.manifest
+        segs = codec.segments(manifest, codec.DEFAULT_CHUNK_BYTES)
+        bound = sum(segs[i - 1][1] * segs[i - 1][2] for i in only if 0 < i <= len(segs)) if part else manifest.nbytes
+        what = f"the encoding of {key} version {version} being served"
+        self.reserve(bound, what, SERVE_WAIT)  # off the replica's lock: a push to it goes on meanwhile
+        try:
+            with held.lock:
+                if version not in held.versions:  # stepped back or replaced meanwhile
+                    raise ReplicaError(f"{key} version {version} is no longer held here", "NOT_FOUND")
+                checksum = held.snapshot.checksum
+                if part and version == held.version:
+                    packed = codec.encode_chunks(held.snapshot, only)
+                else:
+                    packed = _encode(held, version, self.reserve, self.release)
+        except BaseException:
+            self.release(bound)
+            raise
+        return version, packed, self.served.serve(packed, bound, what, None if part else (key, version, checksum))
 
     def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:
         """Reverts the replica in place to ``version``, dropping the newer deltas."""
@@ -356,9 +299,7 @@ class Store:
                     and (rank is None or k.rank == rank) and (world is None or k.world_size == world)]
             gone = [self._replicas.pop(k, None) for k in keys]
             staged = [self._staged.pop(k, None) for k in keys]
-            if self._served is not None and self._served[0] in keys:
-                self._used -= self._served[3].nbytes
-                self._served = None
+            self._used -= self.served.forget(set(keys))
         self.release(sum(r.nbytes for r in gone if r) + sum(s.reserved for s in staged if s))
         if keys:
             log.info("dropped %d shard(s) of job %s", len(keys), job_id)
@@ -397,3 +338,21 @@ def _verify_one(chunk: Chunk) -> None:
             raise ReplicaError(why, "INVALID_ARGUMENT")
         raise ReplicaError(f"chunk {chunk.index} of {chunk.count} is corrupted: checksum {got:016x}, expected "
                            f"{chunk.checksum:016x}", "DATA_LOSS")
+
+
+def _encode(held: Replica, version: int, reserve: Callable[[int, str], None], release: Callable[[int], None]) -> Packed:
+    """A full encoding of ``held`` at ``version`` (one it holds), under its lock; a copy stepped back to it is
+    counted (``reserve``, ``release``) while it lives."""
+    if version == held.version:
+        return codec.encode_snapshot(held.snapshot)
+    size = host.size(held.snapshot.buffer)
+    reserve(size, f"a copy of {held.key} stepped back to version {version}")
+    try:
+        snap = Snapshot(held.snapshot.manifest, host.clone(held.snapshot.buffer), held.snapshot.checksum)
+        for d in reversed(held.history):
+            if d.version <= version:
+                break
+            snap = codec.revert_snapshot(d.packed, snap, d.scalars_before)
+        return codec.encode_snapshot(snap)
+    finally:
+        release(size)

@@ -1,0 +1,78 @@
+"""A daemon's store counts the whole encodings it serves for as long as they live (``daemon/served.py``): one
+being read is counted until its last reader is done, even after another replaced it as the cache (a node's ranks
+restoring at once from one holder each hold one); a fetch waits for room while others are being sent, and is
+refused, counting nothing, where none comes; nothing stays counted once every lease is given back."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from ffstate import codec
+from ffstate.daemon import store as store_module
+from ffstate.daemon.held import IncomingChunk
+from ffstate.daemon.store import Store
+from ffstate.errors import ReplicaError
+from ffstate.ids import ShardKey
+
+pytestmark = pytest.mark.timeout(60)
+A, B = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
+
+
+def hold(store: Store, key: ShardKey, seed: int) -> int:
+    """A replica of ``key`` (1 MB of random floats: an encoding about as large) committed; its bytes."""
+    snap = codec.pack({"w": torch.randn(1 << 18, generator=torch.Generator().manual_seed(seed))})
+    packed = codec.encode_snapshot(snap)
+    store.stage((IncomingChunk(key, 1, 0, c.index, c.count, c.checksum, c.payload) for c in packed.chunks), "test")
+    store.commit(key, 1)
+    return store.used
+
+
+def test_an_encoding_being_read_stays_counted_after_another_replaces_it_as_the_cache():
+    store = Store(1 << 30)
+    hold(store, A, 0)
+    replicas = hold(store, B, 1)
+    _, enc_a, lease_a = store.fetch(A, 1)
+    assert store.used == replicas + enc_a.nbytes
+    _, enc_b, lease_b = store.fetch(B, 1)  # the cache now; A's still being sent
+    assert store.used == replicas + enc_a.nbytes + enc_b.nbytes
+    _, again, lease_b2 = store.fetch(B, 1)  # B's cached encoding, read twice: counted once
+    assert again is enc_b and store.used == replicas + enc_a.nbytes + enc_b.nbytes
+    lease_a.release()
+    lease_a.release()  # once only
+    assert store.used == replicas + enc_b.nbytes
+    lease_b.release(), lease_b2.release()
+    assert store.used == replicas + enc_b.nbytes  # kept as the cache
+    _, part, lease_part = store.fetch(A, 1, only=[0, 1])  # some chunks, not cached: counted while read
+    assert len(part.chunks) == 2 and store.used == replicas + enc_b.nbytes + part.nbytes
+    lease_part.release()
+    assert store.used == replicas + enc_b.nbytes
+    store.drop("j")
+    assert store.used == 0
+
+
+def test_a_fetch_waits_for_room_while_another_encoding_is_sent_and_is_refused_where_none_comes(monkeypatch):
+    probe = Store(1 << 30)
+    hold(probe, A, 0)
+    replicas = hold(probe, B, 1)
+    one = probe.fetch(A, 1)[1].nbytes
+    store = Store(replicas + one + (64 << 10))  # the replicas and one encoding
+    hold(store, A, 0), hold(store, B, 1)
+    _, _, lease_a = store.fetch(A, 1)
+    monkeypatch.setattr(store_module, "SERVE_WAIT", 0.3)
+    with pytest.raises(ReplicaError, match="memory budget") as e:
+        store.fetch(B, 1)
+    assert e.value.code == "RESOURCE_EXHAUSTED" and store.used == replicas + one  # nothing counted for it
+    monkeypatch.setattr(store_module, "SERVE_WAIT", 20.0)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(store.fetch(B, 1)))
+    waiter.start()
+    time.sleep(0.5)
+    assert not got  # waiting for A's encoding to be sent
+    lease_a.release()
+    waiter.join(10)
+    assert got and store.used <= store.budget
+    got[0][2].release()
+    store.drop("j")
+    assert store.used == 0
