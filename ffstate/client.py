@@ -126,6 +126,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        bulk.cut_off(self)  # a push or fetch on the bulk socket fails now, not at its deadline
         with self._ready_lock:
             self._closed = True
             if self._ready is not None:

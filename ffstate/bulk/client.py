@@ -8,9 +8,12 @@ memory. What the chunks hold is checked downstream, as for gRPC's ``Fetch`` (eac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import grpc
@@ -26,6 +29,33 @@ if TYPE_CHECKING:
 log = logging.getLogger("ffstate.client")
 
 CONNECT_TIMEOUT = 2.0  # seconds to reach the bulk port (a firewall that drops it costs this, once per client)
+
+
+# The bulk connections each client has open: its ``close`` cuts them off (``cut_off``), where a push in flight
+# would go on for up to its deadline (ten times the client's timeout) after the replication it served stopped.
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_OPEN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _tracked(client: Any, sock: socket.socket):
+    with _OPEN_LOCK:
+        _OPEN.setdefault(client, set()).add(sock)
+    try:
+        with sock:
+            yield
+    finally:
+        with _OPEN_LOCK:
+            _OPEN.get(client, set()).discard(sock)
+
+
+def cut_off(client: Any) -> None:
+    """Shuts down the bulk connections ``client`` has open: a push or fetch on one fails at once (UNAVAILABLE)."""
+    with _OPEN_LOCK:
+        socks = list(_OPEN.pop(client, ()))
+    for sock in socks:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def host_of(address: str) -> str:
@@ -87,7 +117,7 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
     from ffstate.codec import Chunk
 
     what = f"bulk fetch from {client.address} (port {offer.port})"
-    with sock:
+    with _tracked(client, sock):
         try:
             sock.settimeout(client.timeout)
             sock.sendall(offer.ticket)
@@ -134,7 +164,7 @@ def push(client: Any, req: pb.PushOpen, chunks: Sequence, before_chunk: Callable
         return None
     offer, sock = opened
     what = f"bulk push to {client.address} (port {offer.port})"
-    with sock:
+    with _tracked(client, sock):
         try:
             sock.settimeout(client.timeout)
             sock.sendall(offer.ticket)

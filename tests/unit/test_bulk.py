@@ -427,3 +427,52 @@ def test_a_push_refused_midway_stops_sending_and_says_why():
                               [C(0, 1, 5, memoryview(b"0123456789"))], None)
     assert (answer.committed_version, answer.checksum, answer.bytes_received) == (7, 99, 1234)
     t.join(10)
+
+
+def test_closing_the_client_cuts_off_its_push_in_flight_at_once():
+    """A replication stopped (its shard dropped, the daemon stopping) closes its clients: a bulk push to a holder
+    that stopped reading fails then, where it waited for its deadline (ten times the client's timeout)."""
+    from ffstate.errors import ReplicaUnavailable
+
+    lsock = socket.create_server(("127.0.0.1", 0))
+    taken = threading.Event()
+
+    def serve():  # takes the ticket, then reads nothing: the sender fills the socket and waits
+        conn, _ = lsock.accept()
+        with conn:
+            conn.recv(TICKET_BYTES)
+            taken.set()
+            time.sleep(15)
+        lsock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    caller = Caller(lambda: pb.BulkTicket(ticket=b"t" * 32, port=lsock.getsockname()[1]))
+    caller.timeout = 30.0  # its deadline: 300 s
+    many = [C(i, 200, i, memoryview(np.zeros(1 << 20, dtype=np.uint8))) for i in range(200)]
+    failed: list[BaseException] = []
+
+    def pushing():
+        try:
+            bulk_client.push(caller, pb.PushOpen(), many, None)
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+
+    t = threading.Thread(target=pushing)
+    t.start()
+    assert taken.wait(10)
+    time.sleep(0.3)  # blocked in a send
+    start = time.monotonic()
+    bulk_client.cut_off(caller)
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - start < 5
+    assert len(failed) == 1 and isinstance(failed[0], ReplicaUnavailable)
+    assert not bulk_client._OPEN.get(caller)  # nothing left tracked
+    from ffstate.client import Client
+
+    client = Client("127.0.0.1:1", "token")
+    mine, peer = socket.socketpair()
+    bulk_client._OPEN[client] = {mine}  # as a push in flight registers its connection
+    client.close()
+    peer.settimeout(5)
+    assert peer.recv(1) == b""  # shut down by the close
+    mine.close(), peer.close()
