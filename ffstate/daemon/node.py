@@ -181,6 +181,8 @@ class Node:
             raise ReplicaError(f"persist_keys: {e}", "INVALID_ARGUMENT") from None
         cap = scalars_capacity or self.cfg.scalars_capacity
         with self._lock:
+            if self.done.is_set():  # close() cleared the ranks under this lock: slots made now would outlive it
+                raise ReplicaError(f"node {self.cfg.node_id}'s daemon is stopping", "UNAVAILABLE")
             shard = self.local.get(key)
             if shard is not None:
                 if shard.manifest.layout_id != manifest.layout_id:
@@ -199,25 +201,19 @@ class Node:
                 for h in shard.holders if discard_after else ():  # a restored worker on a new daemon: the
                     h.resume = discard_after  # holders drop the dead run's versions past v* before the full version
             shard.razor, shard.persist_keys = razor, keys
-        return self._describe(shard)
+        return _describe(self.cfg.node_id, shard)
 
     def lookup(self, key: ShardKey) -> SlotsInfo:
         shard = self.local.get(key)
         if shard is None:
             raise ReplicaError(f"{key} is not attached to node {self.cfg.node_id}", "NOT_FOUND")
-        return self._describe(shard)
+        return _describe(self.cfg.node_id, shard)
 
     def notify_commit(self, key: ShardKey) -> None:
         shard = self.local.get(key)
         if shard is None:
             raise ReplicaError(f"{key} is not attached here", "NOT_FOUND")
         shard.wake.set()
-
-    def _describe(self, shard: LocalShard) -> SlotsInfo:
-        done = shard.slots.committed()
-        return SlotsInfo([str(p) for p in shard.paths], self.cfg.node_id,
-                         shm.slot_size(shard.manifest, shard.slots.scalars_capacity), done[0][0] if done else 0,
-                         [v for v, _ in done], shard.manifest.to_json())
 
     def _create_local(self, key: ShardKey, manifest: Manifest, cap: int, holders: list[str] | None) -> LocalShard:
         size = 2 * shm.slot_size(manifest, cap) + manifest.nbytes  # two slots and the base copy
@@ -361,6 +357,13 @@ class Node:
         if self.doorbell is not None:
             self.doorbell.close()
         self.replicator.shutdown()
+
+
+def _describe(node_id: str, shard: LocalShard) -> SlotsInfo:
+    """What an attach or a lookup answers: the rank's slots and their committed versions."""
+    done = shard.slots.committed()
+    return SlotsInfo([str(p) for p in shard.paths], node_id, shm.slot_size(shard.manifest, shard.slots.scalars_capacity),
+                     done[0][0] if done else 0, [v for v, _ in done], shard.manifest.to_json())
 
 
 def _local_report(key: ShardKey, s: LocalShard, watch: WatchReport | None = None) -> ShardReport:

@@ -50,3 +50,25 @@ def test_the_idle_clock_starts_when_the_daemon_listens(tmp_path):
     while ours() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not ours()
+
+
+def test_an_attach_that_comes_as_the_node_closes_is_refused_and_leaves_no_slots():
+    """A handler still running after the server's grace at a stop reaches the node once it closed: slots made then
+    would outlive the daemon in /dev/shm."""
+    import uuid
+    from pathlib import Path
+
+    import torch
+
+    from ffstate import layout
+    from ffstate.errors import ReplicaError
+    from ffstate.ids import ShardKey
+
+    node_id = f"closing-{uuid.uuid4().hex[:8]}"
+    node = Node(DaemonConfig(node_id=node_id, host="127.0.0.1", port=0, token="t" * 32, memory_limit=64 << 20))
+    manifest = layout.analyze({"w": torch.ones(10)})[0]
+    node.close()
+    with pytest.raises(ReplicaError, match="is stopping") as e:
+        node.attach(ShardKey("j", 0, 1), manifest.to_json(), 0, [], None, None)
+    assert e.value.code == "UNAVAILABLE"
+    assert not list(Path("/dev/shm").glob(f"ffstate-{node_id}-*"))
