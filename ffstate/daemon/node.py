@@ -352,6 +352,8 @@ class Node:
         with self._lock:
             shards = list(self.local.values())
             self.local.clear()
+        for s in shards:  # every replication told to stop first: each stop then waits for its own alone
+            s.stop.set(), s.wake.set()
         for s in shards:
             self._close_local(s)
         if self.doorbell is not None:
