@@ -130,8 +130,17 @@ def test_the_flushing_process_killed_mid_flush_is_counted_and_started_again_and_
     daemons.restart(d)  # the node's next daemon removes the slots the killed one left
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+def _flusher_of(pid: int) -> int | None:
+    """The daemon's flushing process: among its children, not another (a starting daemon forks and runs short-lived
+    ones, ``ldconfig -p`` for one: taken for the flusher, a suite's run found it gone)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for c in (task / "children").read_text().split():
+            try:
+                if b"ffstate.daemon.flusher" in Path(f"/proc/{c}/cmdline").read_bytes():
+                    return int(c)
+            except OSError:  # gone already
+                continue
+    return None
 
 
 def test_the_flushing_process_runs_at_the_idle_priority_by_default_or_at_the_niceness_asked(daemons, tmp_path):
@@ -140,7 +149,7 @@ def test_the_flushing_process_runs_at_the_idle_priority_by_default_or_at_the_nic
     want = [(idle, os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, idle.proc.pid)),
             (nice, os.SCHED_OTHER, 7 + os.getpriority(os.PRIO_PROCESS, nice.proc.pid))]
     for d, policy, niceness in want:  # set by the daemon as it starts it, before the child's own imports
-        child = wait_until(lambda: _children(d.proc.pid), what="the flushing process started")[0]
+        child = wait_until(lambda: _flusher_of(d.proc.pid), what="the flushing process started")
         wait_until(lambda: (os.sched_getscheduler(child), os.getpriority(os.PRIO_PROCESS, child)) == (policy, niceness),
                    timeout=10, what=f"the flushing process of {d.node_id} at policy {policy}, niceness {niceness}")
 
