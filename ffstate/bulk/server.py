@@ -48,8 +48,9 @@ class _Offer:
 
 
 class BulkServer:
-    """Listens at ``host:port`` (0: a port the kernel picks) and serves offers; ``release(nbytes)`` gives an offer's
-    reservation back, ``touch()`` marks the daemon active, ``refused(status)`` counts a refused connection."""
+    """Listens at ``host:port`` (0: a port the kernel picks) and serves offers; ``release(held)`` gives back what an
+    offer holds (the daemon's lease on its chunks; 0 for a push), ``touch()`` marks the daemon active,
+    ``refused(status)`` counts a refused connection."""
 
     def __init__(self, host: str, port: int, release: Callable[[Any], None], touch: Callable[[], None] = lambda: None,
                  refused: Callable[[str], None] = lambda status: None, max_connections: int | None = None):
