@@ -15,7 +15,8 @@ loopback), a TinyGPT + AdamW state. Measured in one run, interleaved, medians ov
   call for the ticket, the chunks on a plain TCP connection; ``ffstate/bulk/``), decoded and verified, into the live
   model and optimizer, next to the fetch alone (the transport), the same restore and fetch over gRPC alone (a
   client with the bulk socket off), and the state's bytes pulled from the holder's side over a raw TCP socket (what
-  the link itself gives).
+  the link itself gives). The timed restores fetch a version the holder has served before, its encoding cached;
+  **remote restore, cold** fetches one it has just received, encoded for that fetch, as after a failure.
 
 With ``--link RATE`` (e.g. ``1gbit``; needs root) the remote holder is another node: it runs in
 a second network namespace behind a ``tc``-shaped veth link, and the transport is that link.
@@ -32,6 +33,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,6 +137,18 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                 capture.restore(model, opt, sched, extra, got.state)
                 sync()
 
+            def restore_cold() -> float:  # a version the holder has not encoded yet, as after a failure
+                ff.commit(next(step))
+                ff.flush()
+                v = ff._last
+                remote.push_and_commit(JOB, 0, 1, v, node_client.fetch(JOB, 0, 1, v))
+                start = time.perf_counter()
+                got = recovery.fetch(JOB, 0, 1, v, recovery.Available(remote={holder_addr: [v]}), None,
+                                     {holder_addr: remote}, v)
+                capture.restore(model, opt, sched, extra, got.state)
+                sync()
+                return time.perf_counter() - start
+
             restore_t = median_seconds({
                 "local restore": lambda: restore(local, {}),
                 "remote restore": lambda: restore(None, {holder_addr: remote}),
@@ -144,6 +158,7 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                 "raw TCP": raw,
                 "clone": clone,
             }, repeats)
+            cold = median_seconds({"cold": restore_cold}, repeats, self_timed=True)["cold"]  # last: versions move on
             remote.drop(JOB)
     finally:
         for k, v in old_env.items():
@@ -162,7 +177,8 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
         "seconds": {"commit": commit["ffstate commit"], "commit_landed": commit["commit landed"],
                     "warm_copy": commit["warm copy"],
                     "clone": (commit["clone"] + restore_t["clone"]) / 2, "local_restore": restore_t["local restore"],
-                    "remote_restore": restore_t["remote restore"], "fetch": restore_t["fetch alone"],
+                    "remote_restore": restore_t["remote restore"], "remote_restore_cold": cold,
+                    "fetch": restore_t["fetch alone"],
                     "remote_restore_grpc": restore_t["remote restore over gRPC"], "fetch_grpc": restore_t["gRPC fetch alone"],
                     "raw_tcp": restore_t["raw TCP"]},
         "transport": "bulk socket" if remote.bulk else "gRPC (the holder has no bulk socket)",
@@ -173,6 +189,7 @@ def run(size: str, repeats: int, out_dir: Path, link: str = "loopback", holder: 
                         "local_restore_over_clone": s["local_restore"] / s["clone"],
                         "remote_restore_share_of_transport": s["fetch"] / s["remote_restore"],
                         "remote_restore_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore"],
+                        "remote_restore_cold_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore_cold"],
                         "remote_restore_grpc_share_of_raw_tcp": s["raw_tcp"] / s["remote_restore_grpc"]}
     return publish(out_dir, "capture" if link == "loopback" else f"capture-{link}", result, report, plot)
 
@@ -193,6 +210,9 @@ def report(result: dict) -> str:
         ["remote restore", f"{s['remote_restore'] * 1e3:.1f}", gbps(s["remote_restore"]),
          f"{100 * r['remote_restore_share_of_transport']:.0f}% of the transport's speed, "
          f"{r['remote_restore_share_of_raw_tcp']:.2f}x raw TCP's"],
+        *([["remote restore, cold", f"{s['remote_restore_cold'] * 1e3:.1f}", gbps(s["remote_restore_cold"]),
+            f"a version the holder encodes for it: {r['remote_restore_cold_share_of_raw_tcp']:.2f}x raw TCP's"]]
+          if "remote_restore_cold" in s else []),
         ["fetch alone", f"{s['fetch'] * 1e3:.1f}", gbps(s["fetch"]), f"the transport: {result['transport']}"],
         ["remote restore over gRPC", f"{s['remote_restore_grpc'] * 1e3:.1f}", gbps(s["remote_restore_grpc"]),
          f"{r['remote_restore_grpc_share_of_raw_tcp']:.2f}x raw TCP's (the bulk socket off)"],
@@ -211,9 +231,10 @@ def plot(result: dict, path: Path) -> Path | None:
     if plt is None:
         return None
     s = result["seconds"]
-    names = ["commit", "commit_landed", "warm_copy", "clone", "local_restore", "remote_restore", "fetch",
-             "remote_restore_grpc", "fetch_grpc", "raw_tcp"]
-    colors = ["tab:blue", "tab:blue", "grey", "grey", "tab:green", "tab:orange", "grey", "tab:red", "grey", "grey"]
+    names = ["commit", "commit_landed", "warm_copy", "clone", "local_restore", "remote_restore", "remote_restore_cold",
+             "fetch", "remote_restore_grpc", "fetch_grpc", "raw_tcp"]
+    colors = ["tab:blue", "tab:blue", "grey", "grey", "tab:green", "tab:orange", "tab:orange", "grey", "tab:red",
+              "grey", "grey"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.barh([n.replace("_", " ") for n in names][::-1], [s[n] * 1e3 for n in names][::-1], color=colors[::-1])
     ax.set_xlabel("milliseconds (median)")
