@@ -18,7 +18,7 @@ from ffstate.layout import Manifest
 
 # 3: XXH3 checksums. Refused, saying what to do: 2 (checksums of 64-bit words mixed one by one), 1 (byte planes
 # before python-blosc2).
-FORMAT = 4  # 4: deltas are zigzag differences, segments FFS3 (3: XOR deltas)
+FORMAT = 5  # 5: a segment that does not compress is stored (4: every segment a blosc2 stream; 3: XOR deltas)
 # One encoded segment before compaction: 1 MiB, the best of the chunk sizes `ffstate bench bandwidth` sweeps (min of
 # gRPC push and fetch throughput on loopback); per-chunk costs are noise at that size and a resend is cheap.
 DEFAULT_CHUNK_BYTES = 1 << 20

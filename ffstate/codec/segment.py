@@ -15,6 +15,12 @@ then LZ4 (streaming: fast both ways) or ZSTD (smaller, slower). It releases the 
 so the codec's thread pool runs segments in parallel. ``revert`` takes a delta off the version it made: a holder
 steps a replica back by its kept deltas (docs/design.md).
 
+A segment that does not compress is sent as it is (``STORED``): a full version of dense float state compresses by
+only 1.02-1.16x per segment (fp32 AdamW state, TinyGPT-medium), for an encode and a decode at a fraction of a
+memory copy's speed each, which a restore over a fast link waits for; a stored segment costs one copy each way. The
+encoder compresses a sample of each segment first (``PROBE``: four slices spread over it) and stores the segment
+when the sample gains less than ``STORE_BELOW``; a segment compressed anyway that gains less is stored too.
+
 A decoder refuses, before it writes anything, a segment that is not where the manifest puts it or whose
 compressed stream says another size; the chunk checksums have already refused any corrupted byte.
 """
@@ -29,7 +35,14 @@ import numpy as np
 
 from ffstate.errors import CodecError
 
-MAGIC = b"FFS3"  # wire format 4: zigzag differences (FFS2, format 3, carried XOR deltas)
+MAGIC = b"FFS4"  # wire format 5: a blosc2 stream follows (FFS3, format 4, had no stored segments; FFS2, format 3,
+STORED = b"FFR4"  # carried XOR deltas); FFR4: the segment's bytes follow as they are
+OLDER = {b"FFS1": "1", b"FFS2": "2 or 3", b"FFS3": "4"}  # magic -> the wire format that sent it
+# A segment is stored (not compressed) when compression would shrink it by less than this: 9% fewer bytes on the
+# wire is not worth an encode at 1-2 GB/s and a decode at 2 GB/s a thread where a copy runs at 5 (measured, fp32
+# AdamW state: benchmarks/2026-11-28-stored-segments.md). Deltas between steps compress 1.3-1.8x: they stay compressed.
+STORE_BELOW = 1.1
+PROBE = 4, 16 << 10  # slices of a segment compressed to decide, and their bytes: 64 KiB of a 1 MiB segment
 SEGMENT = struct.Struct("<4sIQQ")  # magic, itemsize, byte offset in the snapshot buffer, element count
 ITEMSIZES = (1, 2, 4, 8, 16)
 CODECS = {"lz4": blosc2.Codec.LZ4, "zstd": blosc2.Codec.ZSTD}
@@ -108,26 +121,47 @@ def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, off
     d = data
     if base is not None:
         d = delta(data, base, itemsize)
-    body = compress(d, itemsize, codec)
-    out = np.empty(SEGMENT.size + len(body), dtype=np.uint8)
-    SEGMENT.pack_into(out, 0, MAGIC, itemsize, offset, data.size // itemsize)
-    out[SEGMENT.size:] = np.frombuffer(body, dtype=np.uint8)
+    body = compress(d, itemsize, codec) if _compresses(d, itemsize, codec) else None
+    if body is not None and len(body) * STORE_BELOW > d.size:
+        body = None  # it gained too little: the receiver's decode is a copy instead
+    out = np.empty(SEGMENT.size + (d.size if body is None else len(body)), dtype=np.uint8)
+    SEGMENT.pack_into(out, 0, MAGIC if body is not None else STORED, itemsize, offset, data.size // itemsize)
+    out[SEGMENT.size:] = d if body is None else np.frombuffer(body, dtype=np.uint8)
     return out
 
 
-def _body(payload: np.ndarray, itemsize: int, offset: int, n: int) -> np.ndarray:
-    """The compressed bytes of a segment, after its header and sizes are checked against the manifest's."""
-    if payload.size < SEGMENT.size + 16:
+def _compresses(d: np.ndarray, itemsize: int, codec: str) -> bool:
+    """Whether ``d`` is worth compressing, judged on ``PROBE``'s slices spread over it (a short segment: yes, and
+    the result decides)."""
+    count, size = PROBE
+    if d.size < 4 * count * size:
+        return True
+    step = (d.size - size) // (count - 1) // 16 * 16  # 16: a multiple of every itemsize, so slices start on elements
+    sample = np.concatenate([d[i * step : i * step + size] for i in range(count)])
+    return len(compress(sample, itemsize, codec)) * STORE_BELOW <= sample.size
+
+
+def _body(payload: np.ndarray, itemsize: int, offset: int, n: int) -> tuple[np.ndarray, bool]:
+    """The bytes of a segment after its header, and whether they are stored as they are (else a blosc2 stream),
+    once its header and sizes are checked against the manifest's."""
+    if payload.size < SEGMENT.size:
         raise CodecError(f"segment at byte {offset} is truncated: {payload.size} bytes")
     magic, got_size, got_offset, got_n = SEGMENT.unpack_from(payload)
-    if magic != MAGIC:
-        older = {b"FFS1": "1", b"FFS2": "2 or 3"}.get(magic)
+    if magic not in (MAGIC, STORED):
+        older = OLDER.get(magic)
         hint = f" (wire format {older}: an older ffstate sent it; run one version on every node)" if older else ""
-        raise CodecError(f"segment at byte {offset} has magic {magic!r}, expected {MAGIC!r}{hint}")
+        raise CodecError(f"segment at byte {offset} has magic {magic!r}, expected {MAGIC!r} or {STORED!r}{hint}")
     if (got_size, got_offset, got_n) != (itemsize, offset, n):
         raise CodecError(f"segment out of place: it holds {got_n} x {got_size}-byte elements at byte {got_offset}, "
                          f"the manifest expects {n} x {itemsize} at byte {offset} (reordered or foreign chunk?)")
     body = payload[SEGMENT.size:]
+    if magic == STORED:
+        if body.size != n * itemsize:
+            raise CodecError(f"segment at byte {offset}: stored as it is, it carries {body.size} bytes; the manifest "
+                             f"expects {n * itemsize}")
+        return body, True
+    if body.size < 16:
+        raise CodecError(f"segment at byte {offset} is truncated: {payload.size} bytes")
     try:
         nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(body)
     except Exception as e:  # a header blosc2 cannot read
@@ -135,25 +169,28 @@ def _body(payload: np.ndarray, itemsize: int, offset: int, n: int) -> np.ndarray
     if nbytes != n * itemsize or cbytes != body.size:
         raise CodecError(f"segment at byte {offset}: its stream says {nbytes} bytes from {cbytes}; the manifest "
                          f"expects {n * itemsize} bytes, the chunk carries {body.size}")
-    return body
+    return body, False
 
 
 def apply_segment(payload: np.ndarray, itemsize: int, offset: int, out: np.ndarray, into_zeros: bool = False,
                   revert: bool = False) -> None:
     """Adds a decoded delta segment onto ``out`` (n*itemsize bytes: the base), or with ``revert`` takes it off
     again (``out`` is then the version the delta produced). ``into_zeros``: a full version's segment, decompressed
-    straight into ``out``. Checked before ``out`` is written.
+    (or copied, if stored) straight into ``out``. Checked before ``out`` is written.
 
     Raises:
         CodecError: see ``_body``; or blosc2 could not decompress it.
     """
-    body = _body(payload, itemsize, offset, out.size // itemsize)
+    body, stored = _body(payload, itemsize, offset, out.size // itemsize)
     if not out.size:
         return
     target = out if into_zeros else _scratch(out.size)
-    try:
-        blosc2.decompress2(body, dst=target, nthreads=THREADS[0])
-    except (ValueError, RuntimeError) as e:
-        raise CodecError(f"segment at byte {offset}: blosc2 could not decompress it ({e})") from None
+    if stored:
+        np.copyto(target, body)  # a delta's copy too: ``undelta`` overwrites it, and the payload is the caller's
+    else:
+        try:
+            blosc2.decompress2(body, dst=target, nthreads=THREADS[0])
+        except (ValueError, RuntimeError) as e:
+            raise CodecError(f"segment at byte {offset}: blosc2 could not decompress it ({e})") from None
     if not into_zeros:
         undelta(target, out, itemsize, revert)

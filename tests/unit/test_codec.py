@@ -245,7 +245,7 @@ def test_malformed_segment_with_valid_checksum_is_refused(pair, what, mutate):
         codec.decode(rewrite_segment(d, 1, mutate(bytes(d.chunks[1].payload))), s0)
 
 
-@pytest.mark.parametrize("fmt", [1, 2, 3])
+@pytest.mark.parametrize("fmt", [1, 2, 3, 4])
 def test_a_version_of_an_older_wire_format_is_refused_saying_why(pair, fmt):
     s0, _, d, _ = pair
     head = json.loads(bytes(d.chunks[0].payload))
@@ -379,6 +379,30 @@ def test_streamed_full_version_decodes_bit_exact_in_any_order_with_repeats(pair)
     for c in chunks:
         dec.add(c)
     assert_bitwise_equal(dec.state(), s1)  # copied out and summed in one pass
+
+
+def test_a_version_of_stored_and_compressed_segments_decodes_bit_exact_whole_streamed_and_as_deltas():
+    """Weights of noise do not compress (their segments are stored as they are), zeros and small integers do: one
+    version holds both kinds, and decodes bit for bit in one piece, streamed in any order, and as a delta."""
+    from ffstate.codec import segment
+
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(600_000, generator=g), "m": torch.zeros(300_000), "h": torch.randn(200_001, generator=g)
+             .bfloat16(), "step": torch.arange(100_000), "lr": 0.5}
+    full = codec.encode(state, chunk_bytes=256 << 10)
+    kinds = {bytes(c.payload[:4]) for c in full.chunks[1:]}
+    assert kinds == {segment.MAGIC, segment.STORED}
+    assert_bitwise_equal(codec.decode(full), state)
+    chunks = list(full.chunks)
+    np.random.default_rng(1).shuffle(chunks)
+    dec = codec.Decoder()
+    for c in chunks:
+        dec.add(c)
+    assert_bitwise_equal(dec.state(), state)
+    moved = {**state, "w": state["w"] + torch.randn(600_000, generator=g), "m": state["m"] + 1e-3}
+    delta = codec.encode(moved, state, chunk_bytes=256 << 10)
+    assert {bytes(c.payload[:4]) for c in delta.chunks[1:]} == {segment.MAGIC, segment.STORED}
+    assert_bitwise_equal(codec.decode(delta, state), moved)
 
 
 def test_a_streamed_version_is_copied_out_as_its_segments_land_and_ends_bit_exact():

@@ -43,6 +43,7 @@ def _encoded(n: int = 4096, itemsize: int = 4) -> bytearray:
 @pytest.mark.parametrize("what, change, match", [
     ("an older format", lambda b: b"FFS1" + b[4:], "wire format 1: an older ffstate"),
     ("the XOR deltas' format", lambda b: b"FFS2" + b[4:], "wire format 2 or 3: an older ffstate"),
+    ("format 4, before stored segments", lambda b: b"FFS3" + b[4:], "wire format 4: an older ffstate"),
     ("another place", lambda b: b[:8] + (128).to_bytes(8, "little") + b[16:], "out of place"),
     ("a truncated stream", lambda b: b[:-7], "the chunk carries"),
     ("a stream of another size", lambda b: b[:24] + bytes(b[24:28]) + (16385).to_bytes(4, "little") + b[32:],
@@ -53,6 +54,68 @@ def test_a_malformed_segment_is_refused_before_anything_is_written(what, change,
     bad = np.frombuffer(bytes(change(_encoded())), dtype=np.uint8)
     out = np.full(4096 * 4, 7, dtype=np.uint8)
     with pytest.raises(CodecError, match=match):
+        segment.apply_segment(bad, 4, 64, out)
+    assert (out == 7).all(), what
+
+
+def _magic(payload: np.ndarray) -> bytes:
+    return payload[:4].tobytes()
+
+
+@pytest.mark.parametrize("itemsize", segment.ITEMSIZES)
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_a_segment_that_does_not_compress_is_stored_as_it_is_and_round_trips(itemsize, delta):
+    """A megabyte of noise (the probe decides) and 3000 bytes of it (compressed, then found not worth it) are sent
+    as they are: the payload is the header and the bytes, and decoding it gives them back (and takes a delta off)."""
+    rng = np.random.default_rng(itemsize)
+    for nbytes in (1 << 20, 3000 // itemsize * itemsize):
+        cur = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        base = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        enc = segment.encode_segment(cur, base if delta else None, itemsize, 64)
+        assert _magic(enc) == segment.STORED and enc.size == segment.SEGMENT.size + nbytes
+        if not delta:
+            assert enc[segment.SEGMENT.size:].tobytes() == cur.tobytes()
+        out = base.copy() if delta else np.zeros_like(cur)
+        segment.apply_segment(enc, itemsize, 64, out, into_zeros=not delta)
+        assert out.tobytes() == cur.tobytes()
+        if delta:
+            segment.apply_segment(enc, itemsize, 64, out, revert=True)
+            assert out.tobytes() == base.tobytes()
+
+
+def test_a_segment_that_compresses_stays_compressed_and_the_probe_decides_from_its_slices():
+    """Half zeros: compressed. Zeros everywhere but in the probe's slices (64 KiB spread over the megabyte, noise):
+    stored, as the sample says, the compression not tried."""
+    rng = np.random.default_rng(3)
+    half = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    half[::2] = 0
+    enc = segment.encode_segment(half, None, 4, 0)
+    assert _magic(enc) == segment.MAGIC and enc.size < 0.9 * half.size
+    count, size = segment.PROBE
+    step = ((1 << 20) - size) // (count - 1) // 16 * 16
+    zeros_but_probe = np.zeros(1 << 20, dtype=np.uint8)
+    for i in range(count):
+        zeros_but_probe[i * step : i * step + size] = rng.integers(0, 256, size, dtype=np.uint8)
+    enc = segment.encode_segment(zeros_but_probe, None, 4, 0)
+    assert _magic(enc) == segment.STORED
+    out = np.ones_like(zeros_but_probe)
+    segment.apply_segment(enc, 4, 0, out, into_zeros=True)
+    assert out.tobytes() == zeros_but_probe.tobytes()
+
+
+@pytest.mark.parametrize("what, change", [
+    ("a byte short", lambda b: b[:-1]),
+    ("a byte long", lambda b: b + b"\x00"),
+    ("another place", lambda b: b[:8] + (128).to_bytes(8, "little") + b[16:]),
+    ("another count", lambda b: b[:16] + (4095).to_bytes(8, "little") + b[24:]),
+])
+def test_a_malformed_stored_segment_is_refused_before_anything_is_written(what, change):
+    noise = np.random.default_rng(4).integers(0, 256, 4096 * 4, dtype=np.uint8)
+    good = segment.encode_segment(noise, None, 4, 64)
+    assert _magic(good) == segment.STORED
+    bad = np.frombuffer(bytes(change(bytearray(good.tobytes()))), dtype=np.uint8)
+    out = np.full(4096 * 4, 7, dtype=np.uint8)
+    with pytest.raises(CodecError, match="stored as it is|out of place"):
         segment.apply_segment(bad, 4, 64, out)
     assert (out == 7).all(), what
 
