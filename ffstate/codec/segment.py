@@ -17,9 +17,10 @@ steps a replica back by its kept deltas (docs/design.md).
 
 A segment that does not compress is sent as it is (``STORED``): a full version of dense float state compresses by
 only 1.02-1.16x per segment (fp32 AdamW state, TinyGPT-medium), for an encode and a decode at a fraction of a
-memory copy's speed each, which a restore over a fast link waits for; a stored segment costs one copy each way. The
-encoder compresses a sample of each segment first (``PROBE``: four slices spread over it) and stores the segment
-when the sample gains less than ``STORE_BELOW``; a segment compressed anyway that gains less is stored too.
+memory copy's speed each, which a restore over a fast link waits for; a stored segment costs one copy each way. For
+a full version the encoder compresses a sample of each segment first (``PROBE``: four slices spread over it) and
+stores the segment when the sample gains less than ``STORE_BELOW``; a segment compressed (a delta's: they nearly
+always compress) that gains less is stored too.
 
 A decoder refuses, before it writes anything, a segment that is not where the manifest puts it or whose
 compressed stream says another size; the chunk checksums have already refused any corrupted byte.
@@ -121,7 +122,8 @@ def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, off
     d = data
     if base is not None:
         d = delta(data, base, itemsize)
-    body = compress(d, itemsize, codec) if _compresses(d, itemsize, codec) else None
+    # A delta between steps nearly always compresses (the sample would cost it 4-7%): only a full version's is probed.
+    body = compress(d, itemsize, codec) if base is not None or _compresses(d, itemsize, codec) else None
     if body is not None and len(body) * STORE_BELOW > d.size:
         body = None  # it gained too little: the receiver's decode is a copy instead
     out = np.empty(SEGMENT.size + (d.size if body is None else len(body)), dtype=np.uint8)
