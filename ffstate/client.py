@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 
@@ -291,13 +291,13 @@ class Client:
 
     def fetch_chunks(self, job_id: str, rank: int, world_size: int, version: int = 0, first: int = 0, step: int = 1,
                      sink: Callable[[int, Chunk], None] | None = None, chunks: Sequence[int] = (),
-                     checksum: int = 0, buffer: Callable[[int], Any] | None = None) -> list[tuple[int, Chunk]]:
+                     checksum: int = 0) -> list[tuple[int, Chunk]]:
         """(version, chunk) for chunks first, first+step, ... of a full encoding held by this daemon, or, with
         ``chunks`` (ascending indices), for the entries first, first+step, ... of that list; with ``checksum``, only
         from a copy of the version with that checksum (the daemon refuses another: FAILED_PRECONDITION).
 
         With ``sink``, each (version, chunk) goes to ``sink`` as it arrives instead (the list is
-        empty); a retried stream may pass some chunks twice. ``buffer``: see ``bulk.fetch``.
+        empty); a retried stream may pass some chunks twice.
         """
         req = pb.FetchRequest(shard=shard(job_id, rank, world_size), version=version, first_chunk=first,
                               chunk_step=step, chunks=chunks, checksum=checksum)
@@ -309,7 +309,7 @@ class Client:
             deliver = sink or (lambda version, chunk: got.append((version, chunk)))
             if self.bulk:
                 try:
-                    if bulk.fetch(self, req, deliver, buffer):
+                    if bulk.fetch(self, req, deliver):
                         return got
                 except ReplicaError as e:
                     if e.code != "UNAVAILABLE":
@@ -363,11 +363,10 @@ def fetch_striped(clients: Sequence[Client], job_id: str, rank: int, world_size:
 
 
 def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size: int, version: int,
-                   sink: Callable[[Chunk], None], chunks: Sequence[int] = (), checksum: int = 0,
-                   buffer: Callable[[int], Any] | None = None) -> None:
+                   sink: Callable[[Chunk], None], chunks: Sequence[int] = (), checksum: int = 0) -> None:
     """Streams one version from several holders in parallel, chunk i from holder i mod k, into ``sink``; with
     ``chunks`` (ascending indices), only those, the i-th of the list from holder i mod k (no more stripes than
-    chunks); with ``checksum``, only from copies of the version with that checksum; ``buffer``: see ``bulk.fetch``.
+    chunks); with ``checksum``, only from copies of the version with that checksum.
 
     ``sink`` gets each chunk as it arrives, from one thread per holder (``codec.Decoder.add``
     decodes while the rest is on the wire). Full encodings of one version are deterministic, so the
@@ -384,8 +383,7 @@ def stream_striped(clients: Sequence[Client], job_id: str, rank: int, world_size
         for j in range(len(clients)):
             try:
                 clients[(i + j) % len(clients)].fetch_chunks(job_id, rank, world_size, version, first=i, step=k,
-                                                             sink=lambda _, c: sink(c), chunks=chunks, checksum=checksum,
-                                                             buffer=buffer)
+                                                             sink=lambda _, c: sink(c), chunks=chunks, checksum=checksum)
                 return
             except ReplicaError as e:
                 last = e

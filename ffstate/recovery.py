@@ -226,9 +226,9 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
                 stream_striped(clients, job, rank, world, version, decoder.add, chunks=[0])
                 if decoder.needed is not None and len(decoder.needed) > 1:
                     stream_striped(clients, job, rank, world, version, decoder.add, chunks=decoder.needed[1:],
-                                   checksum=int(decoder.header["checksum"], 16), buffer=decoder.buffer)
+                                   checksum=int(decoder.header["checksum"], 16))
             else:
-                stream_striped(clients, job, rank, world, version, decoder.add, buffer=decoder.buffer)
+                stream_striped(clients, job, rank, world, version, decoder.add)
             return decoder.state(), ",".join(sources), decoder.part_nbytes
         except (ReplicaError, CodecError) as e:
             if version not in mine.disk:

@@ -98,11 +98,9 @@ def _open(client: Any, method: str, req: Any) -> tuple[pb.BulkTicket, socket.soc
     return None if sock is None else (offer, sock)
 
 
-def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], None],
-          buffer: Callable[[int], np.ndarray] | None = None) -> bool:
+def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], None]) -> bool:
     """Fetches ``req``'s chunks over the bulk socket of ``client``'s daemon (an ``ffstate.client.Client``) into
-    ``deliver(version, chunk)``, each received into ``buffer(nbytes)`` (``codec.Decoder.buffer``; default: a new
-    array); False, having delivered nothing, where the daemon has none or it cannot be reached
+    ``deliver(version, chunk)``; False, having delivered nothing, where the daemon has none or it cannot be reached
     (``client.bulk`` is then False: later fetches go straight to gRPC) or has no room for the offer now.
 
     Raises:
@@ -139,7 +137,7 @@ def fetch(client: Any, req: pb.FetchRequest, deliver: Callable[[int, "Chunk"], N
                 if nbytes > client.max_message_bytes:
                     raise ReplicaError(f"{what}: chunk {index} claims {nbytes} bytes, more than the "
                                        f"{client.max_message_bytes} a message may carry", "DATA_LOSS")
-                payload = buffer(nbytes) if buffer else np.empty(nbytes, dtype=np.uint8)  # not zeroed: it is filled
+                payload = np.empty(nbytes, dtype=np.uint8)  # unfilled: what is not sent is not touched
                 if recv_into(sock, memoryview(payload), deadline, client.timeout) < nbytes:
                     raise ReplicaError(f"{what}: the connection ended inside chunk {index}", "UNAVAILABLE")
                 deliver(version, Chunk(index, total, checksum, memoryview(payload)))

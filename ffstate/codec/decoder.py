@@ -21,8 +21,6 @@ from ffstate.codec.packing import TASK_BYTES, Unpacking
 from ffstate.errors import CodecError
 from ffstate.layout import Manifest
 
-RECV_BYTES = (1 << 20) + 4096  # a received chunk's buffer, at least: a default segment's and its header
-RECV_KEEP = 32  # applied chunks' buffers kept to receive the next ones in
 
 class Decoder:
     """Decodes a full version while it arrives: chunks in any order, from several threads.
@@ -39,9 +37,6 @@ class Decoder:
     structure with those tensors filled and every other tensor on the ``meta`` device (no memory).
     The version's end-to-end checksum needs every byte, so a part is verified chunk by chunk (each
     chunk's checksum, each segment's place and size) and by the version it was asked for.
-
-    A transport may receive each chunk into ``buffer(nbytes)``: once that chunk is applied (or ignored), its memory
-    receives a later one, so a restore does not fault a new buffer's pages in for every chunk it reads.
 
     Raises (from ``add`` or ``finish``):
         CodecError: a chunk is corrupted, foreign, out of range or missing; the header is malformed
@@ -66,64 +61,28 @@ class Decoder:
         self._deps: list[int] = []  # per task of it: segments under its bytes still to land
         self._seg_tasks: list[list[int]] = []  # per segment: the tasks whose bytes it holds
         self._tasks: list = []  # the futures of the tasks started
-        self._lent: dict[int, np.ndarray] = {}  # id of a buffer given out -> the memory under it
-        self._free: list[np.ndarray] = []  # received chunks' memory, applied: given out again by ``buffer``
-
-    def buffer(self, nbytes: int) -> np.ndarray:
-        """A buffer of ``nbytes`` to receive a chunk into (its ``payload``), given to ``add`` once filled."""
-        with self._lock:
-            under = next((b for b in self._free if b.size >= nbytes), None)
-            if under is not None:
-                self._free.remove(under)
-        if under is None:
-            under = np.empty(max(nbytes, RECV_BYTES), dtype=np.uint8)  # not zeroed: the chunk fills what it uses
-        out = under[:nbytes]
-        with self._lock:
-            self._lent[id(out)] = under
-        return out
-
-    def _recycle(self, chunk: Chunk) -> None:
-        """``chunk``'s memory, if ``buffer`` gave it out, to receive another (the chunk is not read again)."""
-        owner = chunk.payload.obj if isinstance(chunk.payload, memoryview) else None
-        with self._lock:
-            under = self._lent.pop(id(owner), None)
-            if under is not None and len(self._free) < RECV_KEEP:
-                self._free.append(under)
 
     def add(self, chunk: Chunk) -> None:
-        done: list[Chunk] = []  # chunks not read again: their memory receives others
         with self._lock:
-            if self._ignored(chunk):
-                done.append(chunk)
-            elif chunk.index != 0:
-                self._seen.add(chunk.index)
+            if chunk.index in self._seen:
+                return
+            if self._count is not None:
+                self._check_place(chunk)
+                if self._needed is not None and chunk.index not in self._needed:
+                    return  # a chunk a part does not need (a daemon that ignored the request's list)
+            self._seen.add(chunk.index)
+            if chunk.index != 0:
                 if self.header is None:
                     self._early.append(chunk)
                 else:
                     self._futures.append(_pool().submit(self._apply, chunk))
-            else:
-                self._seen.add(0)
-                self._start(chunk)
-                done.append(chunk)
-                for c in self._early:
-                    if self._needed is None or c.index in self._needed:
-                        self._check_place(c)
-                        self._futures.append(_pool().submit(self._apply, c))
-                    else:
-                        done.append(c)
-                self._early = []
-        for c in done:
-            self._recycle(c)
-
-    def _ignored(self, chunk: Chunk) -> bool:
-        """A repeat of a chunk already added, or one a part does not need (a daemon that ignored the request's list);
-        CodecError for one that does not belong to this version."""
-        if chunk.index in self._seen:
-            return True
-        if self._count is not None:
-            self._check_place(chunk)
-            return self._needed is not None and chunk.index not in self._needed
-        return False
+                return
+            self._start(chunk)
+            early = [c for c in self._early if self._needed is None or c.index in self._needed]
+            for c in early:
+                self._check_place(c)
+            self._futures += [_pool().submit(self._apply, c) for c in early]
+            self._early = []
 
     def _check_place(self, chunk: Chunk) -> None:
         if chunk.count != self._count or not 0 <= chunk.index < self._count:
@@ -173,13 +132,10 @@ class Decoder:
         self._tasks += [_pool().submit(plan.run, i) for i in range(plan.count) if not self._deps[i]]
 
     def _apply(self, chunk: Chunk) -> None:
-        try:
-            _verify_chunk(chunk)
-            off, n, size = self._segments[chunk.index - 1]
-            apply_segment(np.frombuffer(chunk.payload, dtype=np.uint8), size, off,
-                          self._out.numpy()[off : off + n * size], into_zeros=True)
-        finally:
-            self._recycle(chunk)
+        _verify_chunk(chunk)
+        off, n, size = self._segments[chunk.index - 1]
+        apply_segment(np.frombuffer(chunk.payload, dtype=np.uint8), size, off,
+                      self._out.numpy()[off : off + n * size], into_zeros=True)
         if self._unpacking is not None:
             with self._lock:
                 ready = []

@@ -405,28 +405,6 @@ def test_a_version_of_stored_and_compressed_segments_decodes_bit_exact_whole_str
     assert_bitwise_equal(codec.decode(delta, state), moved)
 
 
-def test_a_decoder_receives_later_chunks_into_the_memory_of_chunks_it_applied_and_ends_bit_exact():
-    """A transport receives each chunk into ``Decoder.buffer``: once a chunk is applied (or ignored: a repeat), its
-    memory receives the next one, so the whole version comes through two buffers' memory, bit for bit."""
-    g = torch.Generator().manual_seed(6)
-    state = {"w": torch.randn(900_000, generator=g), "m": torch.zeros(200_000), "step": 7}
-    full = codec.encode(state, chunk_bytes=256 << 10)
-    assert len(full.chunks) > 10
-    dec = codec.Decoder()
-    addresses = set()
-    for c in [*full.chunks, full.chunks[3]]:  # the last one a repeat, ignored
-        buf = dec.buffer(len(c.payload))
-        addresses.add(buf.__array_interface__["data"][0])
-        buf[:] = np.frombuffer(c.payload, dtype=np.uint8)
-        dec.add(Chunk(c.index, c.count, c.checksum, memoryview(buf)))
-        for f in dec._futures:
-            f.result()  # applied: its memory is free again
-    assert len(addresses) <= 2, addresses
-    assert_bitwise_equal(dec.state(), state)
-    held = [dec.buffer(len(c.payload)) for c in full.chunks[1:4]]  # none given back: each its own memory
-    assert len({b.__array_interface__["data"][0] for b in held}) == 3
-
-
 def test_a_streamed_version_is_copied_out_as_its_segments_land_and_ends_bit_exact():
     """The copy-out into new tensors and the version's sum run task by task (4 MiB of the buffer each) as soon as
     the segments under a task's bytes are in: before the last segment lands, the tasks away from it are done; the
