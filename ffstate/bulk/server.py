@@ -195,6 +195,8 @@ class BulkServer:
                 self._refuse(peer, "UNAUTHENTICATED", f"no ticket ({e or type(e).__name__})")
             else:  # the caller went away or stalled: it fetches again, from here or elsewhere
                 log.warning("bulk transfer of %s with %s cut short: %s", offer.what or "a shard", peer[0], e)
+        except ReplicaError as e:  # a chunk still being made could not be (``daemon/making.py``): the caller goes on
+            log.warning("bulk transfer of %s with %s cut short: %s", offer.what or "a shard", peer[0], e)
         finally:
             if offer is not None:
                 self._release(offer.reserved)

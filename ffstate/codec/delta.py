@@ -7,13 +7,14 @@ brought to the host first."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 import numpy as np
 
 import ffstate.codec.host as host
 from ffstate.codec.segment import CODECS, apply_segment, encode_segment
-from ffstate.codec.backend import POOL_MIN_BYTES, _map, buffer_checksum
+from ffstate.codec.backend import POOL_MIN_BYTES, _map, _pool, buffer_checksum
 from ffstate.codec.chunks import (DEFAULT_CHUNK_BYTES, FORMAT, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Chunk, Packed,
                                   Snapshot, _check_segment_count, segments, verify_chunks)
 from ffstate.codec.host import Buffer
@@ -57,6 +58,23 @@ def encode_chunks(snapshot: Snapshot, indices: Sequence[int], chunk_bytes: int =
                          f"stay below the version's {head.count} chunks")
     body = _encode_groups(snapshot.buffer, None, segs, head.count, codec, [i - 1 for i in indices if i])
     return Packed([head, *body] if indices and indices[0] == 0 else body, header)
+
+
+def encode_started(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[Chunk, dict, list[Future]]:
+    """``encode_snapshot(snapshot)`` (a full version, LZ4) begun on the codec's threads: (its header chunk, the
+    header, each segment's chunk as a future, in order), the same bytes; its first chunks can go out while the rest
+    are made. ``snapshot``'s buffer must not change until every future is done."""
+    if not MIN_CHUNK_BYTES <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise CodecError(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    head, header, segs = _head(snapshot, None, chunk_bytes)
+    data = host.array(snapshot.buffer)
+
+    def one(i: int) -> Chunk:
+        off, n, size = segs[i]
+        return Chunk.of(i + 1, head.count, encode_segment(data[off : off + n * size], None, size, off))
+
+    pool = _pool()
+    return head, header, [pool.submit(one, i) for i in range(len(segs))]
 
 
 def _head(snapshot: Snapshot, base: Snapshot | None, chunk_bytes: int) -> tuple[Chunk, dict, list]:

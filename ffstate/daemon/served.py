@@ -68,22 +68,24 @@ class Served:
             self._readers[id(packed)][1] += 1
             return Lease(self, packed)
 
-    def serve(self, packed: Packed, reserved: int, what: str, cache_as: tuple[ShardKey, int, int] | None = None
-              ) -> Lease:
+    def serve(self, packed: Packed, reserved: int, what: str, cache_as: tuple[ShardKey, int, int] | None = None,
+              settled: bool = True) -> Lease:
         """A lease on ``packed``, a new encoding, for which ``reserved`` bytes were counted beforehand (the count made
         its size; ``what`` names it if more is refused); with ``cache_as`` (shard, version, checksum) it becomes the
-        cache, the one before it given back once its last reader is done.
+        cache, the one before it given back once its last reader is done. ``settled=False``: an encoding still being
+        made (``making.py``), ``reserved`` at least its size; its maker gives back ``reserved - packed.nbytes`` once
+        it is made.
 
         Raises:
             ReplicaError: RESOURCE_EXHAUSTED, no room for more than was reserved (``reserved`` is given back).
         """
-        if packed.nbytes > reserved:
+        if settled and packed.nbytes > reserved:
             try:
                 self._reserve(packed.nbytes - reserved, what)
             except BaseException:
                 self._uncount(reserved)
                 raise
-        freed = max(0, reserved - packed.nbytes)
+        freed = max(0, reserved - packed.nbytes) if settled else 0
         with self._lock:
             self._readers[id(packed)] = [packed, 1]
             if cache_as is not None:

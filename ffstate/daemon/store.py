@@ -22,6 +22,7 @@ from ffstate import checksum
 from ffstate.codec import Chunk, Packed, Snapshot, host
 from ffstate.codec.chunks import other_format
 from ffstate.daemon.held import Delta, IncomingChunk, Replica, Staging
+from ffstate.daemon.making import stream
 from ffstate.daemon.served import Lease, Served
 from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
@@ -260,18 +261,22 @@ class Store:
         bound = sum(segs[i - 1][1] * segs[i - 1][2] for i in only if 0 < i <= len(segs)) if part else manifest.nbytes
         what = f"the encoding of {key} version {version} being served"
         self.reserve(bound, what, SERVE_WAIT)  # off the replica's lock: a push to it goes on meanwhile
+        held.lock.acquire()
         try:
-            with held.lock:
-                if version not in held.versions:  # stepped back or replaced meanwhile
-                    raise ReplicaError(f"{key} version {version} is no longer held here", "NOT_FOUND")
-                checksum = held.snapshot.checksum
-                if part and version == held.version:
-                    packed = codec.encode_chunks(held.snapshot, only)
-                else:
-                    packed = _encode(held, version, self.reserve, self.release)
-        except BaseException:
+            if version not in held.versions:  # stepped back or replaced meanwhile
+                raise ReplicaError(f"{key} version {version} is no longer held here", "NOT_FOUND")
+            checksum = held.snapshot.checksum
+            if part and version == held.version:
+                packed = codec.encode_chunks(held.snapshot, only)
+            elif version == held.version:  # the newest, whole: its chunks go out as they are made
+                return version, *stream(self, held, (key, version, checksum), len(segs), bound, what)
+            else:
+                packed = _encode(held, version, self.reserve, self.release)
+        except BaseException:  # ``stream`` hands the lock on only when it returns
+            held.lock.release()
             self.release(bound)
             raise
+        held.lock.release()
         return version, packed, self.served.serve(packed, bound, what, None if part else (key, version, checksum))
 
     def step_back(self, key: ShardKey, version: int) -> tuple[int, int]:

@@ -29,22 +29,31 @@ def hold(store: Store, key: ShardKey, seed: int) -> int:
     return store.used
 
 
+def fetch(store: Store, key: ShardKey, version: int, **kw):
+    """``store.fetch``, once the encoding is made and its count settled (``daemon/making.py``: until then what it
+    may take is counted)."""
+    got = store.fetch(key, version, **kw)
+    settled = getattr(got[1].chunks, "settled", None)
+    assert settled is None or settled.wait(10)
+    return got
+
+
 def test_an_encoding_being_read_stays_counted_after_another_replaces_it_as_the_cache():
     store = Store(1 << 30)
     hold(store, A, 0)
     replicas = hold(store, B, 1)
-    _, enc_a, lease_a = store.fetch(A, 1)
+    _, enc_a, lease_a = fetch(store, A, 1)
     assert store.used == replicas + enc_a.nbytes
-    _, enc_b, lease_b = store.fetch(B, 1)  # the cache now; A's still being sent
+    _, enc_b, lease_b = fetch(store, B, 1)  # the cache now; A's still being sent
     assert store.used == replicas + enc_a.nbytes + enc_b.nbytes
-    _, again, lease_b2 = store.fetch(B, 1)  # B's cached encoding, read twice: counted once
+    _, again, lease_b2 = fetch(store, B, 1)  # B's cached encoding, read twice: counted once
     assert again is enc_b and store.used == replicas + enc_a.nbytes + enc_b.nbytes
     lease_a.release()
     lease_a.release()  # once only
     assert store.used == replicas + enc_b.nbytes
     lease_b.release(), lease_b2.release()
     assert store.used == replicas + enc_b.nbytes  # kept as the cache
-    _, part, lease_part = store.fetch(A, 1, only=[0, 1])  # some chunks, not cached: counted while read
+    _, part, lease_part = fetch(store, A, 1, only=[0, 1])  # some chunks, not cached: counted while read
     assert len(part.chunks) == 2 and store.used == replicas + enc_b.nbytes + part.nbytes
     lease_part.release()
     assert store.used == replicas + enc_b.nbytes
@@ -56,17 +65,17 @@ def test_a_fetch_waits_for_room_while_another_encoding_is_sent_and_is_refused_wh
     probe = Store(1 << 30)
     hold(probe, A, 0)
     replicas = hold(probe, B, 1)
-    one = probe.fetch(A, 1)[1].nbytes
+    one = fetch(probe, A, 1)[1].nbytes
     store = Store(replicas + one + (64 << 10))  # the replicas and one encoding
     hold(store, A, 0), hold(store, B, 1)
-    _, _, lease_a = store.fetch(A, 1)
+    _, _, lease_a = fetch(store, A, 1)
     monkeypatch.setattr(store_module, "SERVE_WAIT", 0.3)
     with pytest.raises(ReplicaError, match="memory budget") as e:
         store.fetch(B, 1)
     assert e.value.code == "RESOURCE_EXHAUSTED" and store.used == replicas + one  # nothing counted for it
     monkeypatch.setattr(store_module, "SERVE_WAIT", 20.0)
     got: list = []
-    waiter = threading.Thread(target=lambda: got.append(store.fetch(B, 1)))
+    waiter = threading.Thread(target=lambda: got.append(fetch(store, B, 1)))
     waiter.start()
     time.sleep(0.5)
     assert not got  # waiting for A's encoding to be sent
