@@ -36,8 +36,8 @@ import numpy as np
 
 from ffstate.errors import CodecError
 
-MAGIC = b"FFS4"  # wire format 5: a blosc2 stream follows (FFS3, format 4, had no stored segments; FFS2, format 3,
-STORED = b"FFR4"  # carried XOR deltas); FFR4: the segment's bytes follow as they are
+MAGIC = b"FFS4"  # wire format 5, a blosc2 stream follows (FFS3: format 4, before stored segments; FFS2: XOR deltas)
+STORED = b"FFR4"  # wire format 5, the segment's bytes follow as they are
 OLDER = {b"FFS1": "1", b"FFS2": "2 or 3", b"FFS3": "4"}  # magic -> the wire format that sent it
 # A segment is stored (not compressed) when compression would shrink it by less than this: 9% fewer bytes on the
 # wire is not worth an encode at 1-2 GB/s and a decode at 2 GB/s a thread where a copy runs at 5 (measured, fp32
