@@ -7,7 +7,7 @@ brought to the host first."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Sequence
 
 import numpy as np
@@ -73,8 +73,16 @@ def encode_started(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -
         off, n, size = segs[i]
         return Chunk.of(i + 1, head.count, encode_segment(data[off : off + n * size], None, size, off))
 
-    pool = _pool()
-    return head, header, [pool.submit(one, i) for i in range(len(segs))]
+    pool, futures = _pool(), []
+    try:
+        for i in range(len(segs)):
+            futures.append(pool.submit(one, i))
+    except BaseException:  # the pool shut down (the process exiting): none may read the buffer after this returns
+        for f in futures:
+            f.cancel()
+        wait(futures)
+        raise
+    return head, header, futures
 
 
 def _head(snapshot: Snapshot, base: Snapshot | None, chunk_bytes: int) -> tuple[Chunk, dict, list]:

@@ -58,6 +58,8 @@ class Making(Sequence):
     def _finish(self) -> None:
         try:
             self._done()
+        except Exception:  # a callback's: nobody to raise it to (the fetch may have answered long ago)
+            log.exception("settling an encoding once it was made failed")
         finally:
             self.settled.set()
 
@@ -152,12 +154,15 @@ def stream(store: Any, held: "Replica", cache_as: tuple["ShardKey", int, int], s
         wait(futures)  # none reads the snapshot once the lock goes back
         raise
 
-    def made() -> None:
-        held.lock.release()
-        if making.failed:
-            log.error("%s: a chunk could not be made; it is no longer kept to serve again", what)
-            store.release(store.served.forget({cache_as[0]}))
-        store.release(reserved + extra - packed.nbytes)
+    def made() -> None:  # never waits for an encoding: it runs on the codec's threads, which make them
+        try:
+            freed = store.served.settle(packed, packed.nbytes)
+            if making.failed:
+                log.error("%s: a chunk could not be made; it is no longer kept to serve again", what)
+                freed += store.served.forget_this(packed)  # before the lock goes: no fetch finds it cached
+            store.release(freed)
+        finally:
+            held.lock.release()
 
     making.watch(made)
     return packed, lease

@@ -56,7 +56,9 @@ class Served:
     def __init__(self, reserve: Callable[[int, str], None], uncount: Callable[[int], None]):
         self._reserve, self._uncount = reserve, uncount
         self._lock = threading.Lock()
-        self._readers: dict[int, list] = {}  # id(packed) -> [packed, readers]: counted while in here
+        # id(packed) -> [packed, readers, bytes counted for it]: counted while in here. The count is kept, never read
+        # off the encoding: one still being made (``making.py``) is counted at its bound until ``settle``.
+        self._readers: dict[int, list] = {}
         self._cache: tuple[ShardKey, int, int, Packed] | None = None  # (shard, version, checksum, encoding)
 
     def cached(self, key: ShardKey, version: int, checksum: int) -> Lease | None:
@@ -73,8 +75,7 @@ class Served:
         """A lease on ``packed``, a new encoding, for which ``reserved`` bytes were counted beforehand (the count made
         its size; ``what`` names it if more is refused); with ``cache_as`` (shard, version, checksum) it becomes the
         cache, the one before it given back once its last reader is done. ``settled=False``: an encoding still being
-        made (``making.py``), ``reserved`` at least its size; its maker gives back ``reserved - packed.nbytes`` once
-        it is made.
+        made (``making.py``), counted as ``reserved`` (at least its size) until its maker calls ``settle``.
 
         Raises:
             ReplicaError: RESOURCE_EXHAUSTED, no room for more than was reserved (``reserved`` is given back).
@@ -87,13 +88,28 @@ class Served:
                 raise
         freed = max(0, reserved - packed.nbytes) if settled else 0
         with self._lock:
-            self._readers[id(packed)] = [packed, 1]
+            self._readers[id(packed)] = [packed, 1, packed.nbytes if settled else reserved]
             if cache_as is not None:
                 freed += self._uncache()
                 self._cache = (*cache_as, packed)
         if freed:
             self._uncount(freed)
         return Lease(self, packed)
+
+    def settle(self, packed: Packed, nbytes: int) -> int:
+        """``packed``, made, counted as ``nbytes`` from now on; returns the bytes no longer counted for it, for the
+        caller to give back (none if it is gone already: whoever dropped it gave back all it was counted)."""
+        with self._lock:
+            entry = self._readers.get(id(packed))
+            if entry is None or entry[0] is not packed:
+                return 0
+            freed, entry[2] = entry[2] - nbytes, nbytes
+            return freed
+
+    def forget_this(self, packed: Packed) -> int:
+        """Drops the cache if it is ``packed``; returns the bytes no longer counted (as ``forget``)."""
+        with self._lock:
+            return self._uncache() if self._cache is not None and self._cache[3] is packed else 0
 
     def forget(self, keys: set[ShardKey] | None = None) -> int:
         """Drops the cache (where it is one of ``keys``; None: whichever it is); returns the bytes that are no longer
@@ -106,8 +122,7 @@ class Served:
         old, self._cache = self._cache, None
         if old is None or self._readers[id(old[3])][1]:
             return 0
-        del self._readers[id(old[3])]
-        return old[3].nbytes
+        return self._readers.pop(id(old[3]))[2]
 
     def _drop(self, packed: Packed) -> None:
         with self._lock:
@@ -117,4 +132,4 @@ class Served:
             if gone:
                 del self._readers[id(packed)]
         if gone:
-            self._uncount(packed.nbytes)
+            self._uncount(entry[2])

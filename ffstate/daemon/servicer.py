@@ -1,6 +1,5 @@
-"""The daemon's gRPC edge: the servicer translates between protobuf and the node (``node.py``), one map
-turns every error into its gRPC status, and an interceptor checks the job token on every call (health
-checks excepted). ``start_server`` binds it, plain or TLS (docs/design.md I6)."""
+"""The daemon's gRPC edge: the servicer (protobuf <-> ``node.py``), one map from errors to gRPC statuses, an
+interceptor checking the job token on every call but health checks; ``start_server`` binds it, plain or TLS (I6)."""
 
 from __future__ import annotations
 
@@ -243,7 +242,8 @@ class Servicer:
         version, chunks, reserved = self._guard("Fetch", context, lambda: self._fetched(request))
         start = time.perf_counter()
         try:
-            for c in chunks:
+            for i in range(len(chunks)):  # a chunk still being made (``making.py``) that cannot be is refused
+                c = self._guard("Fetch", context, lambda: chunks[i])  # noqa: B023 (called at once)
                 head = pb.FetchChunk(version=version, chunk_index=c.index, chunk_count=c.count,
                                      checksum=c.checksum).SerializeToString()
                 yield wire.with_payload(head, 5, c.payload)

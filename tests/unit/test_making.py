@@ -97,3 +97,29 @@ def test_a_chunk_that_cannot_be_made_fails_its_readers_is_not_served_again_and_l
     assert store.used == replica + again.nbytes  # the new one cached; the failed one counts nothing
     store.drop("j")
     assert store.used == 0
+
+
+def test_dropping_an_encoding_still_being_made_never_waits_for_it(monkeypatch):
+    """An encoding whose reader went (a refused offer, a cancelled call) is the cache while its last chunk is still
+    being made: forgetting it, as a reservation under memory pressure does while it holds the budget's lock, gives
+    its count back at once instead of waiting for the codec's threads (which, settling the encodings they finish,
+    need that lock: a daemon-wide hang). Its count comes back once, whatever comes first."""
+    store = Store(1 << 30)
+    one = codec.pack(state(0))
+    put(store, 1, one)
+    replica = store.used
+    gate = gated(monkeypatch, one.manifest)
+    _, enc, lease = store.fetch(A)
+    lease.release()  # no reader left: the cache alone holds it
+    forgot: list[int] = []
+    t = threading.Thread(target=lambda: forgot.append(store.served.forget()))
+    t.start()
+    t.join(10)
+    assert forgot and not enc.chunks.settled.is_set(), "forgetting waited for the encoding to be made"
+    store.release(forgot[0])
+    assert store.used == replica
+    gate.set()
+    assert enc.chunks.settled.wait(10)
+    assert store.used == replica  # the settlement gave back nothing more: the whole count went with the forget
+    store.drop("j")
+    assert store.used == 0
