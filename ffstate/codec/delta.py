@@ -69,14 +69,10 @@ def encode_started(snapshot: Snapshot, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -
     head, header, segs = _head(snapshot, None, chunk_bytes)
     data = host.array(snapshot.buffer)
 
-    def one(i: int) -> Chunk:
-        off, n, size = segs[i]
-        return Chunk.of(i + 1, head.count, encode_segment(data[off : off + n * size], None, size, off))
-
     pool, futures = _pool(), []
     try:
         for i in range(len(segs)):
-            futures.append(pool.submit(one, i))
+            futures.append(pool.submit(_segment_chunk, data, None, segs[i], i + 1, head.count, "lz4"))
     except BaseException:  # the pool shut down (the process exiting): none may read the buffer after this returns
         for f in futures:
             f.cancel()
@@ -220,14 +216,19 @@ def _encode_groups(buf: Buffer, base: Buffer | None, segs: list[tuple[int, int, 
     base_host = None if base is None else host.array(base)
     chosen = range(len(segs)) if only is None else only
 
-    def encode_one(i: int) -> Chunk:
-        off, n, size = segs[i]
-        end = off + n * size
-        body = encode_segment(data[off:end], None if base_host is None else base_host[off:end], size, off, codec)
-        return Chunk.of(i + 1, count, body)
-
     work = sum(segs[i][1] * segs[i][2] for i in chosen) if only is not None else host.size(buf)
-    return _map(encode_one, chosen, inline=work < POOL_MIN_BYTES)
+    return _map(lambda i: _segment_chunk(data, base_host, segs[i], i + 1, count, codec), chosen,
+                inline=work < POOL_MIN_BYTES)
+
+
+def _segment_chunk(data: np.ndarray, base: np.ndarray | None, seg: tuple[int, int, int], index: int, count: int,
+                   codec: str) -> Chunk:
+    """Chunk ``index`` of ``count``: the segment ``seg`` (offset, elements, itemsize) of ``data`` (its delta from
+    ``base``) encoded and checksummed, in one task."""
+    off, n, size = seg
+    end = off + n * size
+    return Chunk.of(index, count, encode_segment(data[off:end], None if base is None else base[off:end], size, off,
+                                                 codec))
 
 
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: Buffer,
