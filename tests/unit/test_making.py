@@ -123,3 +123,37 @@ def test_dropping_an_encoding_still_being_made_never_waits_for_it(monkeypatch):
     assert store.used == replica  # the settlement gave back nothing more: the whole count went with the forget
     store.drop("j")
     assert store.used == 0
+
+
+def test_a_grpc_fetch_of_a_chunk_that_cannot_be_made_is_internal_and_the_next_fetch_is_whole(monkeypatch):
+    """The same failure through a daemon's gRPC ``Fetch`` (no bulk socket): the reader gets INTERNAL with the reason,
+    not an UNKNOWN status; the daemon counts nothing for it and serves the version whole to the next fetch."""
+    from ffstate.client import Client
+    from ffstate.config import DaemonConfig
+    from ffstate.daemon.node import Node
+    from ffstate.daemon.servicer import start_server
+
+    token = "t" * 32
+    cfg = DaemonConfig(node_id="making-grpc", host="127.0.0.1", port=0, token=token, memory_limit=256 << 20)
+    node = Node(cfg)
+    server, port = start_server(node, cfg, None)
+    one = codec.pack(state(0))
+    try:
+        with Client(f"127.0.0.1:{port}", token) as c:
+            c.push_and_commit("j", 0, 1, 1, codec.encode_snapshot(one))
+            replica = node.store.used
+            gate = gated(monkeypatch, one.manifest, fail=True)
+            gate.set()
+            with pytest.raises(ReplicaError, match="could not be made") as e:
+                c.fetch("j", 0, 1)
+            assert e.value.code == "INTERNAL"
+            monkeypatch.undo()
+            deadline = time.monotonic() + 10  # the failed encoding's count goes back once its readers are gone
+            while node.store.used != replica and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert node.store.used == replica
+            got = codec.decode_snapshot(c.fetch("j", 0, 1), device=None)
+            assert np.array_equal(got.buffer, one.buffer.numpy()) and got.checksum == one.checksum
+    finally:
+        server.stop(None).wait()
+        node.close()
