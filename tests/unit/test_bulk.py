@@ -182,6 +182,7 @@ def test_strangers_are_counted_logged_at_most_once_a_second_and_close_cuts_off_a
     released: list[int] = []
     s = bulk_server.BulkServer("127.0.0.1", 0, released.append, refused=refused.append)
     try:
+        began = time.monotonic()
         for _ in range(5):  # reset before any ticket
             c = socket.create_connection(("127.0.0.1", s.port), timeout=20)
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -190,7 +191,9 @@ def test_strangers_are_counted_logged_at_most_once_a_second_and_close_cuts_off_a
         while len(refused) < 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert refused == ["UNAUTHENTICATED"] * 5
-        assert len([r for r in caplog.records if "refused a bulk connection" in r.getMessage()]) <= 2
+        took = time.monotonic() - began  # a loaded machine spreads the five over more than one LOG_EVERY
+        logged = [r for r in caplog.records if "refused a bulk connection" in r.getMessage()]
+        assert 1 <= len(logged) <= 2 + int(took / bulk_server.LOG_EVERY), (len(logged), took)
         big = [C(i, 64, i, memoryview(np.zeros(1 << 20, dtype=np.uint8))) for i in range(64)]  # 64 MiB
         ticket = s.offer(1, big, reserved=77)
         with socket.create_connection(("127.0.0.1", s.port), timeout=20) as slow:
