@@ -40,7 +40,7 @@ from pathlib import Path
 from ffstate.bench._report import environment, free_ports, publish, pyplot, table
 from ffstate.daemon.running import stop_daemons
 from ffstate.demo.faults import HANG_PHASES, PHASES
-from ffstate.testing.bitwise import compare_runs
+from ffstate.testing.bitwise import compare_runs, drop_compared
 
 WORLD, NODES = 4, 2
 WARMUP = 3  # steps before the first failure
@@ -215,6 +215,7 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     ffstate, compared bit for bit; ``env``: more variables for the job (``FFSTATE_*`` knobs); ``worker``: more
     arguments for both runs' workers (``--parallel ddp``, say); ``world``: ranks, over the 2 simulated nodes."""
     worker = list(worker or [])
+    own = work is None  # a folder of its own: once the runs are found equal their states go, the logs stay
     work = Path(work or tempfile.mkdtemp(prefix="ffstate-chaos-"))
     failing, reference = work / "with-failures", work / "reference"
     for d in (failing, reference):
@@ -248,6 +249,8 @@ def run_schedule(schedule: list[dict], steps: int, timeout: float, work: Path | 
     rows = failure_rows(schedule, _jsonl(failing / "failures.jsonl"), _jsonl(failing / "progress.jsonl"),
                         _jsonl(failing / "events.jsonl"))
     shutil.rmtree(run_dir, ignore_errors=True)
+    if own and not diffs:
+        drop_compared(failing, reference)
     return {"benchmark": "chaos", "environment": environment("cpu"), "steps": steps, "schedule": schedule,
             "failures": rows, "samples": sampler.rows, "wall_seconds": wall,
             "reference_seconds": ref_wall, "step_seconds": ref_wall / steps, "bit_identical": not diffs,
@@ -351,6 +354,8 @@ def main(args: argparse.Namespace) -> int:
     result = run(args.failures, args.seed, args.gap, args.timeout, hangs=args.hangs, hang_floor=args.hang_floor)
     result["summary"] = summary(result)
     publish(args.out, "chaos", result, report, plot)
+    print(f"the job's logs are kept in {result['work']}" + ("" if result["bit_identical"] else
+          ", with both runs' final states"), file=sys.stderr)
     return 0 if result["bit_identical"] else 1
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ffstate.daemon.running import stop_daemons
-from ffstate.testing.bitwise import compare_runs
+from ffstate.testing.bitwise import compare_runs, drop_compared
 
 
 def torchrun(out: Path, steps: int, extra: list[str], env: dict, log: Path, timeout: float) -> float:
@@ -136,6 +136,12 @@ def main(args: argparse.Namespace) -> int:
                   f"{args.ckpt_every} steps a failure loses {args.ckpt_every / 2:.1f} steps on average "
                   f"({args.ckpt_every / 2 * step_time:.1f}s of training) plus the reload; ffstate lost the steps above.")
     console.print(f"daemons left running: {len(left)}" + (f" (stopped: {left})" if left else ""))
+    if diffs or left:
+        console.print(f"kept for a look in {out}: both runs' logs and final states, the daemons' logs and the job's "
+                      "events")
+    elif not args.out:  # a folder of its own in the temporary folder: the states go, the logs stay
+        drop_compared(failing, reference)
+        console.print(f"logs (the job's, the daemons', the events) kept in {out}")
     shutil.rmtree(run_dir, ignore_errors=True)
     return 1 if diffs or left else 0
 

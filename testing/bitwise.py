@@ -87,3 +87,15 @@ def compare_runs(a: Path, b: Path, world: int) -> list[str]:
         y = torch.load(b / f"final-rank{r}.pt", weights_only=True)
         diffs += [f"rank {r}: {d}" for d in differences(x, y)]
     return diffs
+
+
+def drop_compared(*folders: Path) -> int:
+    """Removes the runs' final states (``final-rank{r}.pt``) once ``compare_runs`` found them equal: the logs beside
+    them stay (kilobytes), the states (megabytes a rank) would pile up in the temporary folder run after run.
+    Returns the bytes freed."""
+    freed = 0
+    for folder in folders:
+        for p in folder.glob("final-rank*.pt"):
+            freed += p.stat().st_size
+            p.unlink()
+    return freed

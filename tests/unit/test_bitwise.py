@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ffstate.testing.bitwise import assert_bitwise_equal, compare_runs, differences
+from ffstate.testing.bitwise import assert_bitwise_equal, compare_runs, differences, drop_compared
 
 
 @pytest.mark.parametrize("got, want, what", [
@@ -45,3 +45,16 @@ def test_compare_runs_names_every_difference_of_every_rank(tmp_path):
         torch.save({"p": torch.arange(4.0) + (r == 1), "q": torch.zeros(2) * (-1.0 if r == 1 else 1.0)},
                    tmp_path / "b" / f"final-rank{r}.pt")
     assert compare_runs(tmp_path / "a", tmp_path / "b", 2) == ["rank 1: /p: bits differ", "rank 1: /q: bits differ"]
+
+
+
+def test_drop_compared_removes_the_final_states_and_keeps_the_logs(tmp_path):
+    a, b = tmp_path / "with-failures", tmp_path / "reference"
+    for d in (a, b):
+        d.mkdir()
+        torch.save({"w": torch.arange(4.0)}, d / "final-rank0.pt")
+        (d / "daemon-node0.log").write_text("log")
+    states = sum((d / "final-rank0.pt").stat().st_size for d in (a, b))
+    assert compare_runs(a, b, 1) == []
+    assert drop_compared(a, b) == states > 0
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir()) == ["daemon-node0.log"]
