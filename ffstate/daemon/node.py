@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from ffstate import codec, persist, shm
+from ffstate import persist, shm
 from ffstate.client import Client, Tls
 from ffstate.codec import Packed
 from ffstate.config import DaemonConfig
@@ -25,10 +25,10 @@ from ffstate.daemon.drain import Drainer
 from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
 from ffstate.daemon.shard import GONE as _GONE
-from ffstate.daemon.shard import LocalShard, copy_verified
+from ffstate.daemon.shard import LocalShard, serve_from_slots
 from ffstate.daemon.held import IncomingChunk
-from ffstate.daemon.served import Counted, Hold
-from ffstate.daemon.store import SERVE_WAIT, Store
+from ffstate.daemon.served import Hold
+from ffstate.daemon.store import Store
 from ffstate.daemon.watchdog import Watchdog
 from ffstate.errors import FFStateError, ReplicaError
 from ffstate.ids import ShardKey, check_id
@@ -257,23 +257,7 @@ class Node:
         shard = self.local.get(key)
         if shard is None:
             return self.store.fetch(key, version, only)  # counted while it is read (or cached)
-        nbytes = shard.manifest.nbytes
-        self.store.reserve(2 * nbytes, f"serving {key} from its slots", SERVE_WAIT)  # a copy and its encoding
-        try:
-            got = copy_verified(shard.slots, version)
-            if got is None and version:  # older than the slots: step the daemon's copy back (docs/design.md I3)
-                with shard.lock:
-                    snap = shard.stepped_back(version)
-                got = (version, snap) if snap is not None else None
-            if got is None:
-                raise ReplicaError(f"{key} version {version or 'newest'} is not in this node's slots (committed: "
-                                   f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
-                                   f"({shard.versions_back()})", "NOT_FOUND")
-            packed = codec.encode_chunks(got[1], only) if only else codec.encode_snapshot(got[1])
-            return got[0], packed, Counted(self.store.release, 2 * nbytes)
-        except BaseException:
-            self.store.release(2 * nbytes)
-            raise
+        return serve_from_slots(shard, self.store, version, only)
 
     def release(self, held: Hold | int) -> None:
         held and held.release()  # 0: nothing held (a push's offer on the bulk socket)

@@ -11,12 +11,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from ffstate import codec
 from ffstate.client import Client
-from ffstate.codec import Snapshot, host
-from ffstate.errors import CodecError
+from ffstate.codec import Packed, Snapshot, host
+from ffstate.daemon.served import Counted
+from ffstate.daemon.store import SERVE_WAIT, Store
+from ffstate.errors import CodecError, ReplicaError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
 from ffstate.shm import Slots
@@ -155,3 +157,37 @@ def copy_verified(slots: Slots, version: int = 0) -> tuple[int, Snapshot] | None
         return None
     view, buf = got
     return view.version, Snapshot(slots.manifest.with_scalars(view.scalars), buf, view.checksum)
+
+
+def serve_from_slots(shard: LocalShard, store: Store, version: int, only: Sequence[int]) -> tuple[int, Packed, Counted]:
+    """(version, full encoding or the chunks ``only``, its count to release once sent) of a rank of this node, from
+    its slots (``version`` 0: the newest), or from the daemon's copy stepped back where the slots hold no longer.
+
+    Raises:
+        ReplicaError: NOT_FOUND, the version is neither in the slots nor within the deltas kept;
+            RESOURCE_EXHAUSTED, no room for a copy and its encoding.
+    """
+    what = f"serving {shard.key} from its slots"
+    counted = 2 * shard.manifest.nbytes  # a copy and its encoding, which the state's headers may take past it
+    store.reserve(counted, what, SERVE_WAIT)
+    try:
+        got = copy_verified(shard.slots, version)
+        if got is None and version:  # older than the slots: step the daemon's copy back (docs/design.md I3)
+            with shard.lock:
+                snap = shard.stepped_back(version)
+            got = (version, snap) if snap is not None else None
+        if got is None:
+            raise ReplicaError(f"{shard.key} version {version or 'newest'} is not in this node's slots (committed: "
+                               f"{[v for v, _ in shard.slots.committed()]}) nor within the deltas kept "
+                               f"({shard.versions_back()})", "NOT_FOUND")
+        found, packed = got[0], codec.encode_chunks(got[1], only) if only else codec.encode_snapshot(got[1])
+        got = snap = None  # the copy goes: from here its encoding alone is counted, exactly
+        if packed.nbytes > counted:
+            store.reserve(packed.nbytes - counted, what)
+        else:
+            store.release(counted - packed.nbytes)
+        counted = packed.nbytes
+        return found, packed, Counted(store.release, counted)
+    except BaseException:
+        store.release(counted)
+        raise

@@ -85,3 +85,40 @@ def test_a_fetch_waits_for_room_while_another_encoding_is_sent_and_is_refused_wh
     got[0][2].release()
     store.drop("j")
     assert store.used == 0
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["random (stored segments)", "zeros (compressed)"])
+def test_a_rank_s_shard_served_from_its_slots_counts_its_encoding_exactly(tmp_path, dense):
+    """A daemon serving its own node's rank from the slots counted twice the state (a copy and its encoding) until
+    sent: short of an encoding of incompressible state (its headers), far past one that compresses. Once encoded,
+    the copy goes and the encoding's own bytes are counted, given back when it is sent."""
+    import uuid
+
+    from ffstate import layout, shm
+    from ffstate.commit import SlotWriter
+    from ffstate.config import DaemonConfig
+    from ffstate.daemon.node import Node
+
+    g = torch.Generator().manual_seed(1)
+    state = {"w": torch.randn(3 << 18, generator=g) if dense else torch.zeros(3 << 18), "step": 5}
+    manifest = layout.describe(state)
+    key = ShardKey("j", 0, 1)
+    node = Node(DaemonConfig(node_id=f"slots-{uuid.uuid4().hex[:8]}", host="127.0.0.1", port=0, token="t" * 32,
+                             memory_limit=256 << 20))
+    try:
+        info = node.attach(key, manifest.to_json(), shm.DEFAULT_SCALARS_CAPACITY, [], None, None)
+        slots = shm.Slots(list(info.slot_paths), manifest)
+        try:
+            SlotWriter(slots).commit(state, 1)
+            before = node.store.used
+            version, packed, held = node.fetch(key, 0)
+            assert version == 1 and node.store.used - before == packed.nbytes
+            assert (packed.nbytes > manifest.nbytes) if dense else (packed.nbytes < manifest.nbytes // 10)
+            got = codec.decode_snapshot(packed, device=None)
+            assert bytes(got.buffer) == bytes(codec.pack(state).buffer.numpy())
+            node.release(held)
+            assert node.store.used == before
+        finally:
+            slots.close()
+    finally:
+        node.close()
