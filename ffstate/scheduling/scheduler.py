@@ -285,7 +285,9 @@ class Scheduler:
             _count(link, "catch_ups", 1000, logging.INFO, "replication to %s is %d versions behind: catching up at "
                    "the link's whole rate in the training's windows", holder, behind)
         if behind >= self.deadline:
-            _count(link, "overrides", 100, logging.WARNING, "replication to %s is %d versions behind: sending past "
+            # At the default max_lag 1 this is routine (a version still on its way when the next is taken): INFO, as
+            # the catch-ups; a lag bound that holds the training's commits says so itself (``lag.py``), as a warning.
+            _count(link, "overrides", 100, logging.INFO, "replication to %s is %d version(s) behind: sending past "
                    "the training's windows", holder, behind)
         if capped:
             self._take_tokens(link, nbytes, rate)
