@@ -27,9 +27,14 @@ def targets(given: list[str] | None, job: str, token_file: Path | None) -> list[
     explicit = token_file.read_text().strip() if token_file else os.environ.get("FFSTATE_TOKEN", "")
     if not given:
         if not found:
+            others = sorted({f.job for f in local_daemons()}) if job else []
+            if others:  # daemons run, none of that job
+                raise SystemExit(f"ffstate status: no daemon of job {job} runs on this machine; daemons of job(s) "
+                                 f"{', '.join(others)} do (leave out --job to see them all)")
             raise SystemExit("ffstate status: no daemon started by a job's workers runs on this machine (none in the "
-                             "run folders $TMPDIR/ffstate-*/); name daemons with --daemon HOST:PORT, with --token-file "
-                             "FILE or $FFSTATE_TOKEN")
+                             "run folders $TMPDIR/ffstate-*/; a job that ended cleanly stopped its daemons: its "
+                             "events.jsonl and the daemons' logs stay there); name daemons with --daemon HOST:PORT, "
+                             "with --token-file FILE or $FFSTATE_TOKEN")
         return [(f.address, f.token or explicit) for f in found]
     out = []
     for address in given:

@@ -63,10 +63,14 @@ def target(daemon: str | None, job: str, token: str) -> tuple[str, str, str]:
 
     found = local_daemons(job)
     if daemon is None:
-        if len(found) != 1:
-            raise FFStateError("no daemon started by a job's workers runs on this machine: name one with --daemon "
-                               "HOST:PORT" if not found else "several daemons run on this machine "
-                               f"({[(f.job, f.address) for f in found]}): name one with --daemon or --job")
+        if not found:
+            others = sorted({f.job for f in local_daemons()}) if job else []
+            raise FFStateError("no daemon started by a job's workers runs on this machine"
+                               + (f" for job {job} (daemons of job(s) {', '.join(others)} do)" if others else "")
+                               + ": name one with --daemon HOST:PORT")
+        if len(found) > 1:
+            raise FFStateError(f"several daemons run on this machine ({[(f.job, f.address) for f in found]}): name one "
+                               "with --daemon or --job")
         daemon, job = found[0].address, job or found[0].job
     token = token or next((f.token for f in found if f.address == daemon and f.token), "")
     if not token:
