@@ -148,7 +148,7 @@ class Replicated:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # torchrun restarts the group: leave every copy where it is
-            log.warning("rank %d: leaving with %s; replicas kept for the restart%s", self.rank, exc_type.__name__,
+            log.warning("rank %d: leaving with %s; replicas kept for the restart%s", self.rank, _said(exc_type, exc),
                         "" if self.job.watched_after_error else " (one process, no launcher: not watched for hangs)")
             self._close(self.job.watched_after_error)
             return
@@ -378,3 +378,9 @@ def _say_persisted(job: Job, persist_dir: str, last: int) -> None:
     else:
         log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s); see the "
                     "daemons' logs", last, done[-1] if done else "none")
+
+
+def _said(exc_type: type, exc: BaseException | None) -> str:
+    """An exception for a log line: its type and the first line of its message (bounded)."""
+    first = str(exc).strip().splitlines()[0][:300] if exc is not None and str(exc).strip() else ""
+    return f"{exc_type.__name__} ({first})" if first else exc_type.__name__
