@@ -172,13 +172,15 @@ def warn_early(job: Any, state: dict, extra: Any) -> None:
         return
     if job.rank != 0:
         return
-    found = [f"rng/{k} differs across the ranks" for k in sums if any(t.get(k) != sums[k] for t in told)]
-    found += [f"{path} has per-rank state and no {HOOK} hook" for path in _unhooked(extra, "extra")]
-    if found:  # said at the first attempt; a restart's would say it again
+    rng = [f"rng/{k} differs across the ranks" for k in sums if any(t.get(k) != sums[k] for t in told)]
+    hooks = [f"{path} has per-rank state and no {HOOK} hook" for path in _unhooked(extra, "extra")]
+    if rng or hooks:  # said at the first attempt; a restart's would say it again. Only the advice that applies.
+        do = (["seed every rank's generators alike (random, numpy, torch) or set FFSTATE_RESIZE_RNG=keep"] if rng
+              else []) + ([f"give such extras a {HOOK} hook"] if hooks else [])
         say = log.warning if job.attempt == 0 else log.info
         say("rank 0: if this job is ever resumed at another world size (torchrun --nnodes MIN:MAX), the resize "
-            "will be refused: %s. Seed every rank's generators alike or set FFSTATE_RESIZE_RNG=keep; give such "
-            "extras a hook (docs/elastic.md)", "; ".join(found))
+            "will be refused: %s. To allow it: %s (docs/elastic.md); a job that never changes size can ignore this",
+            "; ".join(rng + hooks), "; ".join(do))
 
 
 def _unhooked(extra: Any, path: str) -> list[str]:
