@@ -36,6 +36,7 @@ def test_readme_training_example_runs_under_torchrun(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done at step 4, resumed from step 0" in out.stdout
     assert "the resize will be refused" not in out.stderr  # every rank's streams alike: it could be resized
+    assert "starting at step 0" in out.stderr  # ffstate's INFO lines are shown, as the README says
 
 
 
