@@ -382,5 +382,9 @@ def _say_persisted(job: Job, persist_dir: str, last: int) -> None:
 
 def _said(exc_type: type, exc: BaseException | None) -> str:
     """An exception for a log line: its type and the first line of its message (bounded)."""
-    first = str(exc).strip().splitlines()[0][:300] if exc is not None and str(exc).strip() else ""
+    try:
+        text = str(exc).strip() if exc is not None else ""
+    except Exception:  # noqa: BLE001 (a message that cannot be made must not hide the exception leaving)
+        text = ""
+    first = text.splitlines()[0][:300] if text else ""
     return f"{exc_type.__name__} ({first})" if first else exc_type.__name__

@@ -13,3 +13,11 @@ def test_a_bare_exception_is_its_type_and_a_long_message_is_bounded():
     assert _said(KeyboardInterrupt, KeyboardInterrupt()) == "KeyboardInterrupt"
     assert _said(RuntimeError, None) == "RuntimeError"
     assert len(_said(RuntimeError, RuntimeError("x" * 5000))) == len("RuntimeError ()") + 300
+
+
+def test_a_message_that_cannot_be_made_leaves_the_type():
+    class Odd(Exception):
+        def __str__(self):
+            raise RuntimeError("no message")
+
+    assert _said(Odd, Odd()) == "Odd"
