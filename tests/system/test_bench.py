@@ -36,9 +36,11 @@ def test_benchmark_writes_its_results(tmp_path, args, name):
     if name == "overhead":
         naive = result["jobs"]["ddp @ loopback"]["naive"]
         assert naive["commit_seconds"] > 0 and naive["wire_bytes_per_step_per_rank"] > 0
-        assert naive["train_bytes_per_step_per_rank"] > 0 and naive["daemon_cpu_seconds_per_step"] > 0
+        assert naive["train_bytes_per_step_per_rank"] > 0 and naive["daemon_cpu_seconds_per_step"] >= 0
         # ... by the daemons' threads, named in the system (the replicator's, the RPCs' pool); the arithmetic is
-        # tests/unit/test_overhead_split.py's (over 2 timed steps here, a tick of the kernel's is 5 ms a step)
+        # tests/unit/test_overhead_split.py's. The kernel counts CPU in ticks of 10 ms: over 2 timed steps of a tiny
+        # model on a fast machine the daemons can use less than one, so a 0 here is a measurement, not a failure;
+        # that the daemons' threads were found and read is what is asserted.
         threads = naive["daemon_cpu_ms_per_step_by_thread"]
         assert {"repl", "rpc", "ended threads"} <= set(threads) and min(threads.values()) >= 0, threads
         for mode in ("persist", "async-save"):  # versions written to disk (or skipped while one was written)
