@@ -91,11 +91,13 @@ def compare_runs(a: Path, b: Path, world: int) -> list[str]:
 
 def drop_compared(*folders: Path) -> int:
     """Removes the runs' final states (``final-rank{r}.pt``) once ``compare_runs`` found them equal: the logs beside
-    them stay (kilobytes), the states (megabytes a rank) would pile up in the temporary folder run after run.
-    Returns the bytes freed."""
+    them stay (kilobytes), the states (megabytes a rank) would pile up in the temporary folder run after run. A
+    folder left empty goes too (a reference run's logs sit beside it). Returns the bytes freed."""
     freed = 0
     for folder in folders:
         for p in folder.glob("final-rank*.pt"):
             freed += p.stat().st_size
             p.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
     return freed

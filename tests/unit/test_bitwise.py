@@ -58,3 +58,6 @@ def test_drop_compared_removes_the_final_states_and_keeps_the_logs(tmp_path):
     assert compare_runs(a, b, 1) == []
     assert drop_compared(a, b) == states > 0
     assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir()) == ["daemon-node0.log"]
+    torch.save({"w": torch.arange(4.0)}, b / "final-rank1.pt")  # a folder holding nothing else goes with its states
+    (b / "daemon-node0.log").unlink()
+    assert drop_compared(b) > 0 and not b.exists() and a.exists()
