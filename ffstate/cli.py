@@ -206,6 +206,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     drain_arguments(p)
     p.set_defaults(run=drain_main)
 
+    from ffstate import drop
+
+    p = sub.add_parser("drop", help="free what the daemons hold of a job that is gone (a daemon you run keeps a dead "
+                       "job's replicas until told)")
+    drop.add_arguments(p)
+    p.set_defaults(run=drop.main)
+
     p = sub.add_parser("demo", help="the main job: torchrun, a killed rank and node, recovery, bit-exact check")
     if wanted("demo"):
         from ffstate.demo import main as demo

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 
-def targets(given: list[str] | None, job: str, token_file: Path | None) -> list[tuple[str, str]]:
+def targets(given: list[str] | None, job: str, token_file: Path | None, command: str = "status"
+            ) -> list[tuple[str, str]]:
     """(address, token) of each daemon to ask: those ``given`` (the token from ``token_file``, ``$FFSTATE_TOKEN``,
     or the run folder of a daemon at that address on this machine), else every daemon of ``job`` (or of every job)
     that the workers started on this machine.
@@ -29,10 +30,11 @@ def targets(given: list[str] | None, job: str, token_file: Path | None) -> list[
         if not found:
             others = sorted({f.job for f in local_daemons()}) if job else []
             if others:  # daemons run, none of that job
-                raise SystemExit(f"ffstate status: no daemon of job {job} runs on this machine; daemons of job(s) "
-                                 f"{', '.join(others)} do (leave out --job to see them all)")
-            raise SystemExit("ffstate status: no daemon started by a job's workers runs on this machine (none in the "
-                             "run folders $TMPDIR/ffstate-*/; a job that ended cleanly stopped its daemons: its "
+                hint = " (leave out --job to see them all)" if command == "status" else ""
+                raise SystemExit(f"ffstate {command}: no daemon of job {job} runs on this machine; daemons of job(s) "
+                                 f"{', '.join(others)} do{hint}")
+            raise SystemExit(f"ffstate {command}: no daemon started by a job's workers runs on this machine (none in "
+                             "the run folders $TMPDIR/ffstate-*/; a job that ended cleanly stopped its daemons: its "
                              "events.jsonl and the daemons' logs stay there); name daemons with --daemon HOST:PORT, "
                              "with --token-file FILE or $FFSTATE_TOKEN")
         return [(f.address, f.token or explicit) for f in found]
@@ -40,8 +42,8 @@ def targets(given: list[str] | None, job: str, token_file: Path | None) -> list[
     for address in given:
         token = explicit or next((f.token for f in found if f.address == address and f.token), "")
         if not token:
-            raise SystemExit(f"ffstate status: no token for {address}: pass --token-file FILE or set FFSTATE_TOKEN (a "
-                             "daemon the workers started keeps its job's token in $TMPDIR/ffstate-<job>/token)")
+            raise SystemExit(f"ffstate {command}: no token for {address}: pass --token-file FILE or set FFSTATE_TOKEN "
+                             "(a daemon the workers started keeps its job's token in $TMPDIR/ffstate-<job>/token)")
         out.append((address, token))
     return out
 

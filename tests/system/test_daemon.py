@@ -409,7 +409,8 @@ def test_the_command_line_answers_help_and_status_without_loading_torch(shared_p
     script = ("import sys\nfrom ffstate import cli\ntry:\n    code = cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
               "    code = e.code\nprint('torch loaded' if 'torch' in sys.modules else f'no torch, exit {code}')")
     said = {}
-    for args in (["--help"], ["status", "--daemon", a.address], ["bench", "--help"], ["drain", "--help"]):
+    for args in (["--help"], ["status", "--daemon", a.address], ["bench", "--help"], ["drain", "--help"],
+                 ["drop", "--help"]):
         out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "200"})
         assert out.stdout.rstrip().endswith("no torch, exit 0"), (args, out.stdout[-1000:], out.stderr[-2000:])
