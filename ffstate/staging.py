@@ -134,20 +134,20 @@ class Stager:
             event.synchronize()  # the interpreter lock released while it waits
 
     def close(self) -> None:
-        with self._on_device():
-            if self.stream is not None:
-                try:
+        try:  # a sticky device error (making the device current, or the sync): the pages stay registered, and the
+            # caller's error, not this one, is what it raises
+            with self._on_device():
+                if self.stream is not None:
                     self.stream.synchronize()  # no copy still writing a slot's pages when they are unregistered
-                except RuntimeError as e:  # a sticky device error: the pages stay registered, the caller's error wins
-                    log.error("closing the staging stream failed (%s): the slots' pages are left registered", e)
-                    self._registered = []
-                    return
-            for out in self._registered:
-                err = torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
-                if int(err) != 0:
-                    log.warning("cudaHostUnregister of a slot returned %s", err)
-                    clear_cuda_error()
-        self._registered = []
+                for out in self._registered:
+                    err = torch.cuda.cudart().cudaHostUnregister(out.data_ptr())
+                    if int(err) != 0:
+                        log.warning("cudaHostUnregister of a slot returned %s", err)
+                        clear_cuda_error()
+        except RuntimeError as e:
+            log.error("closing the staging stream failed (%s): the slots' pages are left registered", e)
+        finally:
+            self._registered = []
 
 
 def _host_copy(spec: Any, a: Any) -> torch.Tensor:
