@@ -15,11 +15,20 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
+import pytest
 import torch
 
 from ffstate import layout, shm
 from ffstate.testing.bitwise import assert_bitwise_equal, bits, contiguous_bits  # noqa: F401
 from ffstate.testing.models import TinyGPT
+
+# Triton runs its kernels on CPU tensors only under its interpreter, chosen as a kernel is defined: conftest.py sets
+# TRITON_INTERPRET=1 where no GPU is seen. On a CUDA machine the kernels are compiled for the GPU and a CPU tensor's
+# pointer is refused at launch, so the tests that use the CPU as the device are skipped there; the tests that need a
+# CUDA device run the same paths on it.
+cpu_as_device = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="the Triton kernels on CPU tensors: only under TRITON_INTERPRET=1, which a "
+                                          "machine with a GPU does not set (its CUDA tests run these paths)")
 
 
 def train_states(steps: int, seed: int = 0, **model_kw: Any):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ffstate import checksum, codec, kernels, layout
-from helpers import assert_bitwise_equal, contiguous_bits, train_states
+from helpers import assert_bitwise_equal, contiguous_bits, cpu_as_device, train_states
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Around the interpreter's 65536-wide blocks and the GPU's 4096-wide ones; 0 and 1 element.
@@ -62,6 +62,7 @@ def test_gather_and_scatter_match_reference():
                                contiguous_bits(want).reshape(-1).view(torch.uint8) if want.numel() else want), spec.name
 
 
+@cpu_as_device
 def test_codec_through_kernels_produces_the_reference_bytes(monkeypatch):
     s0, s1 = list(train_states(2))
     ref = [codec.encode(s1, chunk_bytes=64 << 10), codec.encode(s1, s0, chunk_bytes=64 << 10)]

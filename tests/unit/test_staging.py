@@ -7,7 +7,7 @@ import torch
 
 from ffstate import codec, layout
 from ffstate.staging import Stager, wanted
-from helpers import assert_bitwise_equal, train_states
+from helpers import assert_bitwise_equal, cpu_as_device, train_states
 
 
 def mixed_state():
@@ -41,6 +41,7 @@ def staged_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "wanted", lambda leaves: torch.device("cpu"))
 
 
+@cpu_as_device
 def test_a_staged_commit_writes_the_bytes_the_cpu_path_packs():
     for state in (mixed_state(), list(train_states(2))[-1]):
         manifest = layout.describe(state)
@@ -58,6 +59,7 @@ def test_staging_goes_where_the_state_s_bytes_are():
     assert wanted([torch.zeros(3), np.zeros(2), 1.0]) is None  # nothing on a GPU: the CPU path
 
 
+@cpu_as_device
 def test_a_slot_writer_stages_a_state_on_the_staging_device_and_publishes_what_the_cpu_path_packs(staged_on_cpu):
     """The commit path as the trainer takes it: SlotWriter decides at its first commit to stage (here on the CPU,
     the device a GPU would be), then every commit's slot holds the bytes codec.pack makes, scalars published."""
@@ -81,6 +83,7 @@ def test_a_slot_writer_stages_a_state_on_the_staging_device_and_publishes_what_t
         slots.close()
 
 
+@cpu_as_device
 def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_has(staged_on_cpu, monkeypatch):
     """The training goes on while a staged commit's copy lands: commit returns with the slot unpublished, the
     state may change at once (the optimizer's update, the step counter) without reaching the committed version,
@@ -151,6 +154,7 @@ def test_a_staged_commit_returns_before_its_copy_lands_and_is_published_when_it_
     slots.close()
 
 
+@cpu_as_device
 def test_a_drain_stops_at_a_staged_commit_once_it_is_published(staged_on_cpu, monkeypatch):
     """A node being drained stops its ranks at a commit, and the daemon takes the node out once every rank's newest
     version is that step: the step a rank says it stopped at must be published by then, though a staged commit
@@ -282,6 +286,7 @@ def _as_device(monkeypatch, launches):
     monkeypatch.setattr(kernels, "scatter", lambda buf, placed: (launches.append(len(placed)), scatter(buf, placed)))
 
 
+@cpu_as_device
 def test_a_restore_onto_the_device_scatters_the_decoded_buffer_in_one_launch_bit_for_bit(monkeypatch):
     """A restore's device tensors are not copied out piece by piece from the host: once the buffer is checked, its
     span goes to the device in one copy and the scatter kernel fills every device tensor (the slot's path,
@@ -392,3 +397,25 @@ def test_a_strided_leaf_off_the_staging_device_comes_over_as_its_elements():
     big = torch.randn(300, 301)
     got = _host_copy(SimpleNamespace(kind="tensor"), big[:, 1])
     assert torch.equal(got, big[:, 1].contiguous().view(torch.uint8))
+
+
+def test_closing_a_stager_after_a_sticky_device_error_logs_it_and_raises_nothing(caplog):
+    """A device error is sticky: making the device current, or the stream's sync, raises it again at the stager's
+    close, which runs while the caller's own error (the first) is being raised: the close logs it and gives way."""
+    state = mixed_state()
+    manifest = layout.describe(state)
+    for where in ("device", "stream"):
+        stager = Stager(torch.device("cpu"), manifest, [layout.alloc_buffer(manifest)])
+        sticky = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        def fail(*args):
+            raise sticky
+
+        if where == "device":
+            stager._on_device = fail
+        else:
+            stager.stream = type("Stream", (), {"synchronize": fail})()
+        stager._registered = ["a slot"]
+        stager.close()
+        assert stager._registered == [] and "illegal memory access" in caplog.text
+        caplog.clear()
