@@ -11,6 +11,7 @@ kept), DTensor optimizer state rebuilt around the local shards. Also here: the D
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import random
 from typing import Any, Callable
@@ -98,6 +99,23 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_schedul
     if "comm_hook" in state and (hook := hooks.state_of(model)) is not None:
         hook.load_state_dict(state["comm_hook"])
     set_rng_state(state["rng"])
+
+
+def placement(model: torch.nn.Module) -> Callable[[str], str | torch.device] | None:
+    """Where a restore puts this rank's tensors recorded on a GPU (``recovery.restore``'s ``map_location``): on the
+    one device the model's parameters and buffers are on, whatever ordinal the process that committed them had (a
+    spare taking a failed rank's place trains on a GPU of its own; a relaunch may be given another); None, the
+    devices recorded, for a model on the CPU or over several devices."""
+    device = model_device(model)
+    if device is None:
+        return None
+    return lambda recorded: device if torch.device(recorded).type == device.type else recorded
+
+
+def model_device(model: torch.nn.Module) -> torch.device | None:
+    """The one device other than the CPU that the model's parameters and buffers are on; None for none or several."""
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers()) if t.device.type != "cpu"}
+    return next(iter(devices)) if len(devices) == 1 else None
 
 
 def load_model(model: torch.nn.Module, saved: dict) -> None:

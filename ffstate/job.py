@@ -35,8 +35,9 @@ class Job:
     """One rank's view of the job: ``rank``, ``world``, ``job`` (its id), ``token``, ``topology``, ``attempt``,
     ``store`` (None in a single process, where every collective step is trivial) and ``run_dir``."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, device: torch.device | None = None):
         self.cfg = cfg
+        self.device = device  # the GPU the training is on, if one (``capture.model_device``)
         if dist.is_available() and dist.is_initialized():
             self.rank, self.world = dist.get_rank(), dist.get_world_size()
             self.store = dist.distributed_c10d._get_default_store()
@@ -72,8 +73,9 @@ class Job:
         if self.store is None:
             return "0"
         nonce = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
-        if dist.get_backend() == "nccl":
-            nonce = nonce.cuda()
+        if dist.get_backend() == "nccl":  # on the rank's GPU: the current device is cuda:0 where none was set
+            cuda = self.device is not None and self.device.type == "cuda"
+            nonce = nonce.to(self.device if cuda else torch.device("cuda", torch.cuda.current_device()))
         dist.broadcast(nonce, 0)
         return f"{int(nonce.item()):x}"
 

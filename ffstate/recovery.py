@@ -179,32 +179,37 @@ def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: 
 
 
 def fetch(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
-          holders: dict[str, Client], last_version: int) -> Restored:
-    """The state at ``version``: from the node's slots when they hold it, else from the holders."""
+          holders: dict[str, Client], last_version: int, map_location: Any = None) -> Restored:
+    """The state at ``version``: from the node's slots when they hold it, else from the holders; its tensors placed
+    by ``map_location`` (``layout.empty_leaves``)."""
     start = time.perf_counter()
-    state, source, nbytes = _fetch_one(job, rank, world, version, mine, local, holders)
+    state, source, nbytes = _fetch_one(job, rank, world, version, mine, local, holders, map_location=map_location)
     return Restored(version, last_version, source, nbytes, time.perf_counter() - start, state)
 
 
 def fetch_ranks(job: str, world: int, version: int, available: dict[int, Available],
                 lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client],
-                parts_only: Collection[int] = ()) -> dict[int, tuple[Any, str, int]]:
+                parts_only: Collection[int] = (), own: int | None = None,
+                map_location: Any = None) -> dict[int, tuple[Any, str, int]]:
     """Each rank's shard at ``version`` as (state, source, bytes), fetched in parallel; of the ranks in
     ``parts_only``, only the razor's part when it comes from a holder (``razor.in_part``: a group member's
-    own state is not this rank's to load)."""
+    own state is not this rank's to load). Rank ``own``'s tensors placed by ``map_location``, every other rank's on
+    the CPU: copied out of (a razor's parts, a resize), never trained on; the device recorded is another process's."""
     with ThreadPoolExecutor(max(1, min(8, len(available)))) as pool:
-        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons, r in parts_only)
+        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons, r in parts_only,
+                                  map_location if r == own else "cpu")
                    for r, a in available.items()}
         return {r: f.result() for r, f in futures.items()}
 
 
 def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
-               holders: dict[str, Client], part: bool = False) -> tuple[Any, str, int]:
+               holders: dict[str, Client], part: bool = False, map_location: Any = None) -> tuple[Any, str, int]:
     if local is not None and version in local.committed_versions:
         manifest = Manifest.from_json(local.manifest_json)
         slots = shm.Slots(list(local.slot_paths), manifest)
         try:  # straight from the slot into new tensors, summed as copied, checked against the daemon's record
-            got = slots.read(version, lambda view: codec.unpack_verified(manifest.with_scalars(view.scalars), view.data))
+            got = slots.read(version, lambda v: codec.unpack_verified(manifest.with_scalars(v.scalars), v.data,
+                                                                      map_location=map_location))
         except shm.SlotError as e:
             log.error("rank %d: this node's slot of version %d failed its check (%s); trying the holders", rank,
                       version, e)
@@ -219,7 +224,7 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
     if sources:
         # Decodes each chunk as it arrives, while the rest is on the wire; a header asking for more memory than
         # the holders said the shard takes is refused before anything is allocated.
-        decoder = codec.Decoder(max_nbytes=mine.nbytes or None, want=razor.in_part if part else None)
+        decoder = codec.Decoder(mine.nbytes or None, razor.in_part if part else None, map_location)
         clients = [holders[a] for a in sources]
         try:
             if part:  # the header says which segments hold the part: those alone come next, from copies of its bytes
@@ -237,7 +242,7 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
                         sources, e)
     if version in mine.disk and mine.disk_dir is not None:
         vdir = persist.version_dir(mine.disk_dir, version)
-        state, nbytes = persist.read_shard(vdir, rank)  # checked against the version's checksum
+        state, nbytes = persist.read_shard(vdir, rank, map_location)  # checked against the version's checksum
         return state, f"persisted {vdir}", nbytes
     raise ReplicaUnavailable(f"rank {rank}: no copy of version {version} (holders: {mine.remote})")
 
@@ -246,7 +251,8 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
 
 
 def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...], load: Callable[[Any], None],
-            entry: float, resize: Callable[[int, Path | None], Restored] | None = None) -> Restored | None:
+            entry: float, resize: Callable[[int, Path | None], Restored] | None = None,
+            map_location: Any = None) -> Restored | None:
     """Restores this rank at v*, or returns None when the job has no copies (a fresh start).
 
     ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group``
@@ -254,6 +260,8 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
     training objects, ``entry`` is ``time.perf_counter()`` at the process's entry into ``replicate``.
     When the job's newest copies were made at another world size (the job shrank or grew), ``resize(old world size,
     the persistent tier's job folder)`` restores from them instead, in this run's shape (``ffstate/elastic/``).
+    ``map_location`` places this rank's tensors (``layout.empty_leaves``; ``capture.placement``: onto the device
+    its model is on, whichever its process had before), the razor group's on the CPU.
 
     Raises:
         FFStateError: no version every rank can restore although copies exist (see ``negotiate``), or the
@@ -301,16 +309,17 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
         log.info("rank %d: no replicas of job %s: starting at step 0", me, job.job)
         return None
     with layout.gc_paused():
-        return _load(job, v, last, needed, available, lookups, daemons, load, entry)
+        return _load(job, v, last, needed, available, lookups, daemons, load, entry, map_location)
 
 
 def _load(job: Job, v: int, last: int, needed: list[int], available: dict[int, Available],
           lookups: dict[int, pb.AttachResponse | None], daemons: dict[str, Client], load: Callable[[Any], None],
-          entry: float) -> Restored:
+          entry: float, map_location: Any = None) -> Restored:
     """Fetches version ``v`` of this rank's shard (and its razor group's parts), assembles it and loads it."""
     me = job.rank
     start = time.perf_counter()
-    shards = fetch_ranks(job.job, job.world, v, available, lookups, daemons, parts_only=set(needed) - {me})
+    shards = fetch_ranks(job.job, job.world, v, available, lookups, daemons, parts_only=set(needed) - {me}, own=me,
+                         map_location=map_location)
     mine = shards[me]
     plan = razor.plan_of(mine[0])
     parts: dict[int, str] = {}

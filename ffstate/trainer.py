@@ -92,7 +92,7 @@ class Replicated:
     # ------------------------------------------------------------ entry and exit
 
     def __enter__(self) -> "Replicated":
-        self.job = job = Job(self.cfg)
+        self.job = job = Job(self.cfg, capture.model_device(self.model))
         self.rank, self.world, self.topology = job.rank, job.world, job.topology
         groups = razor.infer(self.model, self.optimizer, job.world, self.cfg)
         self._check_state(groups)
@@ -108,7 +108,7 @@ class Replicated:
         self._register_stacks()
         log.info("rank %d: razor: %s", job.rank, groups.reason if groups else razor.why_not(job.world, self.cfg))
         got = recovery.restore(job, self.daemon, self.holders, groups.ranks if groups else (), self._load, self._t0,
-                               resize=self._resize_restore)
+                               resize=self._resize_restore, map_location=capture.placement(self.model))
         if got is not None:  # the slots' versions past v* go at attach: the steps about to be redone
             self.restored, self.start_step, self._last, self.lag.replicated = got, got.version, got.version, got.version
             self._restore_report = (got.version, got.steps_lost, got.seconds, got.entry_seconds, got.from_world)

@@ -29,7 +29,8 @@ class Decoder:
     header are in, so decoding overlaps the transfer; chunks that come before the header wait for
     it. ``add`` every chunk (a repeat of an index already added is ignored: a retried stream may
     resend some), then ``finish`` for the snapshot, verified end to end like ``decode_snapshot``'s.
-    ``max_nbytes`` bounds the buffer the header may ask for.
+    ``max_nbytes`` bounds the buffer the header may ask for; ``map_location`` places the tensors
+    (``layout.empty_leaves``: a rank's peers' shards go to the CPU, not onto the devices their ranks recorded).
 
     With ``want`` (a test on tensor names, e.g. ``razor/part/...``), only the tensors it accepts are
     decoded: once the header is in, ``needed`` lists the chunks that hold them (the header and the
@@ -43,8 +44,10 @@ class Decoder:
             or a delta's; or the decoded buffer does not match the version's checksum.
     """
 
-    def __init__(self, max_nbytes: int | None = None, want: Callable[[str], bool] | None = None):
+    def __init__(self, max_nbytes: int | None = None, want: Callable[[str], bool] | None = None,
+                 map_location: Any = None):
         self._max_nbytes = max_nbytes
+        self._map_location = map_location
         self._want = want
         self.needed: list[int] | None = None  # with ``want``: the chunks to fetch, once the header is in
         self._lock = threading.Lock()
@@ -119,7 +122,7 @@ class Decoder:
     def _plan_unpacking(self, manifest: Manifest) -> None:
         """The copy-out into new tensors and the version's sum (``Unpacking``), task by task as the segments under
         each task's bytes land: on a link slower than the decoding, done while the rest is on the wire."""
-        self._unpacking = plan = Unpacking(manifest, self._out)
+        self._unpacking = plan = Unpacking(manifest, self._out, layout.empty_leaves(manifest, self._map_location))
         self._deps = [0] * plan.count
         self._seg_tasks = []
         for off, n, size in self._segments:
@@ -169,7 +172,7 @@ class Decoder:
             if not self._want(spec.name):
                 leaves.append(torch.empty(spec.shape, dtype=layout.DTYPES[spec.dtype], device="meta"))
                 continue
-            leaf = layout.empty_leaves(replace(self._manifest, tensors=(spec,)))[0]  # this one leaf alone
+            leaf = layout.empty_leaves(replace(self._manifest, tensors=(spec,)), self._map_location)[0]  # it alone
             if spec.nbytes:
                 layout.leaf_bytes(leaf).copy_(self._out[spec.offset : spec.offset + spec.nbytes])
             leaves.append(leaf)

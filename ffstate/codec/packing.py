@@ -121,7 +121,8 @@ _SMALL_BYTES = 64 << 10  # pieces below this are copied together, by one call pe
 
 
 @layout.gc_paused()
-def unpack_verified(manifest: Manifest, buf: torch.Tensor, leaves: list[Any] | None = None) -> tuple[Any, int]:
+def unpack_verified(manifest: Manifest, buf: torch.Tensor, leaves: list[Any] | None = None,
+                    map_location: Any = None) -> tuple[Any, int]:
     """``unpack`` (into new tensors, each its own storage) and ``buffer_checksum`` of a CPU buffer, in one pass.
 
     One pass over ``buf`` instead of two (a restore reads a slot or a decoded buffer once), on the codec's
@@ -129,9 +130,9 @@ def unpack_verified(manifest: Manifest, buf: torch.Tensor, leaves: list[Any] | N
     a tensor at a time; small ones together, one call), then hashes those 4 MiB while they are in cache. A slot's
     reader checks afterwards that the worker did not rewrite the slot meanwhile (``shm.Slots.read``); the caller
     compares the checksum with the one it trusts before using the state. ``leaves``: ``layout.empty_leaves`` of
-    the manifest, made beforehand.
+    the manifest, made beforehand; else made here, placed by ``map_location`` (``layout.empty_leaves``).
     """
-    plan = Unpacking(manifest, buf, leaves)
+    plan = Unpacking(manifest, buf, leaves if leaves is not None else layout.empty_leaves(manifest, map_location))
     return plan.finish(sum(_map(plan.run, range(plan.count))))
 
 

@@ -68,16 +68,23 @@ def materialize(manifest: Manifest, buf: torch.Tensor, map_location: Any = None)
 
 
 def empty_leaves(manifest: Manifest, map_location: Any = None) -> list[Any]:
-    """New, uninitialised leaves for the manifest's tensors: tensors on their device (or
-    ``map_location``), numpy arrays; ``leaf_bytes`` gives the bytes to fill, ``finish_leaves`` the state."""
+    """New, uninitialised leaves for the manifest's tensors: tensors on their recorded device, or ``map_location``'s
+    (one device for all, or a function of the recorded device's name, e.g. ``"cuda:5"``, giving the one to use),
+    numpy arrays; ``leaf_bytes`` gives the bytes to fill, ``finish_leaves`` the state."""
     leaves: list[Any] = []
     for spec in manifest.tensors:
         if spec.kind == "ndarray":
             leaves.append(np.empty(spec.shape, dtype=np.dtype(spec.np_dtype)))
         else:
-            device = torch.device(map_location) if map_location is not None else torch.device(spec.device)
-            leaves.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=device))
+            leaves.append(torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=placed(spec.device, map_location)))
     return leaves
+
+
+def placed(device: str, map_location: Any = None) -> torch.device:
+    """Where a tensor recorded on ``device`` goes under ``map_location`` (see ``empty_leaves``)."""
+    if map_location is None:
+        return torch.device(device)
+    return torch.device(map_location(device) if callable(map_location) else map_location)
 
 
 def leaf_bytes(leaf: Any) -> torch.Tensor:

@@ -75,8 +75,9 @@ def _format(rec: dict, path: Path) -> int:
     return fmt
 
 
-def read_shard(vdir: Path, rank: int) -> tuple[Any, int]:
-    """(state, bytes) of ``rank``'s shard in version ``vdir``, verified against the version's checksum.
+def read_shard(vdir: Path, rank: int, map_location: Any = None) -> tuple[Any, int]:
+    """(state, bytes) of ``rank``'s shard in version ``vdir``, verified against the version's checksum; its tensors
+    placed by ``map_location`` (``layout.empty_leaves``).
 
     Raises:
         PersistError: an item cannot be read, or the rebuilt bytes are not the version's.
@@ -115,9 +116,10 @@ def read_shard(vdir: Path, rank: int) -> tuple[Any, int]:
         for f in handles.values():
             f.close()
     if _format(rec, record_path(vdir, rank)) == 1:
-        state, checksum = codec.unpack(codec.Snapshot(manifest, buf, None)), sums.fingerprint(buf.numpy(), codec._map)
+        state = codec.unpack(codec.Snapshot(manifest, buf, None), map_location)
+        checksum = sums.fingerprint(buf.numpy(), codec._map)
     else:
-        state, checksum = codec.unpack_verified(manifest, buf)
+        state, checksum = codec.unpack_verified(manifest, buf, map_location=map_location)
     if f"{checksum:016x}" != rec["checksum"]:
         raise PersistError(f"{vdir}: rank {rank}'s version rebuilt with checksum {checksum:016x}, flushed as "
                            f"{rec['checksum']}")
