@@ -98,11 +98,12 @@ def load(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_
         chunks = Chunks(states, prefer)
     except FFStateError as e:
         error = str(e)
-    told = job.exchange("resize-verdict", error, range(job.world), AGREE_TIMEOUT)
-    if any(told):
-        first = next(i for i, t in enumerate(told) if t)
-        raise FFStateError(error or f"rank {first} refused the resize: {told[first]}")
-    targets.load(model, optimizer, chunks, rest.groups)
+    _agree(job, "resize-verdict", error)
+    try:  # DCP's own refusals (the model's keys are not the copies') come as it loads: every rank raises together
+        targets.load(model, optimizer, chunks, rest.groups)
+    except FFStateError as e:
+        error = str(e)
+    _agree(job, "resize-loaded", error)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(rest.sched)
     if extra is not None:
@@ -111,3 +112,16 @@ def load(job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr_
         capture.set_rng_state(rest.rng)
     log.info("rank %d: resharded %d old ranks' copies into world size %d: %d tensors' chunks in %.3fs", job.rank,
              len(states), job.world, len(chunks.data), time.perf_counter() - start)
+
+
+def _agree(job: Job, name: str, error: str) -> None:
+    """Every rank's verdict (``error``, "" for none) through the job's store; raised on every rank if one refused, so
+    that none goes on to train while another stops.
+
+    Raises:
+        FFStateError: this rank's error, else the first rank's that refused.
+    """
+    told = job.exchange(name, error, range(job.world), AGREE_TIMEOUT)
+    if any(told):
+        first = next(i for i, t in enumerate(told) if t)
+        raise FFStateError(error or f"rank {first} refused the resize: {told[first]}")

@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
 from ffstate.elastic.reader import Chunks, ReplicaReader
 from ffstate.errors import FFStateError
-from ffstate.persist.keys import canonical
+from ffstate.persist.keys import param_names
 
 OPTIM_STATE = "optim.state."
 
@@ -51,8 +52,7 @@ def _load_zero(model: torch.nn.Module, zero: Any, chunks: Chunks, groups: list[d
     key, ``optim.state.<fqn>.<name>``, each tensor allocated as the metadata describes it."""
     msd = get_model_state_dict(model)
     _check_model(msd, chunks)
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    names = {id(p): canonical(n, ddp) for n, p in model.named_parameters(remove_duplicate=False)}
+    names = param_names(model)
     inner = zero.optim
     params = [p for g in inner.param_groups for p in g["params"]]
     meta = chunks.metadata.state_dict_metadata
@@ -91,11 +91,24 @@ def _check_model(msd: dict, chunks: Chunks) -> None:
 
 
 def _dcp_load(target: dict, chunks: Chunks) -> None:
+    """``dcp.load`` of ``target`` from the old ranks' copies; what it refuses, as an ``FFStateError``.
+
+    DCP wraps what failed (ffstate's reader's own refusals included) in a ``CheckpointException``, which derives
+    from ``BaseException``: an ``except Exception`` lets it through, with DCP's message rather than the reason."""
     try:
         with warnings.catch_warnings():  # DCP warns that a load with no_dist is one process's: it is, by design
-            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized", UserWarning)
+            warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized",
+                                    UserWarning)
             dcp.load(target, storage_reader=ReplicaReader(chunks), no_dist=True)
     except FFStateError:
         raise
-    except Exception as e:  # DCP's CheckpointException wraps what failed on this rank
+    except CheckpointException as e:
+        failures = [exc for exc, _ in e.failures.values()]
+        ours = next((f for f in failures if isinstance(f, FFStateError)), None)
+        if ours is not None:
+            raise FFStateError(str(ours)) from ours
+        said = "; ".join(f"{type(f).__name__}: {f}" for f in failures) or str(e)
+        raise FFStateError(f"torch.distributed.checkpoint could not load the copies at this world size: {said}"
+                           ) from None
+    except Exception as e:
         raise FFStateError(f"torch.distributed.checkpoint could not load the copies at this world size: {e}") from e

@@ -33,6 +33,17 @@ def canonical(name: str, ddp: bool) -> str:
     return ".".join(p for p in parts if p not in _WRAPPERS)
 
 
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """Each parameter's name by its ``id``, as DCP's ``get_state_dict`` keys its optimizer state: a parameter
+    reached under several names (a head tied to the embedding by assignment, as Hugging Face models do) by the
+    first one."""
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), canonical(n, ddp))
+    return names
+
+
 def _global(t: torch.Tensor) -> tuple[list[int] | None, list[int] | None]:
     """(global size, offset of the local shard) of a DTensor (its chunk, as DCP computes it); (None, None) else."""
     from torch.distributed.tensor import DTensor
@@ -54,7 +65,7 @@ def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, timeline: 
         for name, t in model.state_dict(keep_vars=True).items():
             if isinstance(t, torch.Tensor):
                 tensors[f"model/{name}"] = [f"model.{canonical(name, ddp)}", *_global(t)]
-    names = {id(p): canonical(n, ddp) for n, p in model.named_parameters(remove_duplicate=False)}
+    names = param_names(model)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         state_prefix, groups_path, local = "optim/shard/state", "optim/groups", optimizer.optim
     else:

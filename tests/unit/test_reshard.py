@@ -81,6 +81,76 @@ def test_a_model_changed_across_the_resize_is_refused():
         targets.load(other, torch.optim.AdamW(other.parameters()), Chunks(old_ranks(model, opt, 2)), [{}])
 
 
+class Tied(torch.nn.Module):
+    """A head tied to the embedding by assignment, as Hugging Face models tie them: one parameter, two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+def tied(seed: int, steps: int = 2):
+    torch.manual_seed(seed)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randint(0, 11, (5,))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def test_a_tied_parameter_is_keyed_by_its_first_name_as_dcp_keys_it_and_resizes_bit_for_bit():
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = tied(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_keys = {f"optim.state.{fqn}" for fqn in get_state_dict(model, opt)[1]["state"]}
+    keys = persist_keys.key_map(model, opt)
+    assert {v[0].rsplit(".", 1)[0] for k, v in keys["tensors"].items() if k.startswith("optim/")} == dcp_keys
+    assert keys["param_groups"]["params"] == [["emb.weight", "mid.weight", "mid.bias"]]
+    fresh, fresh_opt = tied(1, steps=1)
+    targets.load(fresh, fresh_opt, Chunks(old_ranks(model, opt, 2)), [{}])
+    assert differences(live(fresh, fresh_opt), live(model, opt)) == []
+
+
+def test_what_dcp_refuses_comes_out_as_ffstate_s_error_with_the_reason(monkeypatch):
+    """DCP wraps a load's failures (the replica reader's own refusals among them) in a CheckpointException, a
+    BaseException: it must not slip past, nor hide the reason behind DCP's traceback text."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, opt = trained()
+    chunks = Chunks(old_ranks(model, opt, 2))
+    for failure, said in ((FFStateError("old rank 1's chunk is short"), "^old rank 1's chunk is short$"),
+                          (ValueError("size mismatch"), "could not load the copies .*ValueError: size mismatch")):
+        def refuse(*args, failure=failure, **kwargs):
+            raise CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (failure, None)})
+
+        monkeypatch.setattr(targets.dcp, "load", refuse)
+        with pytest.raises(FFStateError, match=said):
+            targets.load(model, opt, chunks, [{}])
+
+
+def test_a_refusal_on_one_rank_is_raised_on_every_rank():
+    from types import SimpleNamespace
+
+    from ffstate.elastic import resize
+
+    told = ["", "the model's tensors differ from the copies'", ""]
+    job = SimpleNamespace(world=3, exchange=lambda name, error, ranks, timeout: told)
+    with pytest.raises(FFStateError, match="rank 1 refused the resize: the model's tensors differ"):
+        resize._agree(job, "resize-loaded", "")
+    with pytest.raises(FFStateError, match="^mine$"):
+        resize._agree(job, "resize-loaded", "mine")
+    resize._agree(SimpleNamespace(world=3, exchange=lambda *a: ["", "", ""]), "resize-loaded", "")
+
+
 def test_same_compares_bits_not_values():
     assert rules.same([{"a": 1.0, "t": torch.ones(2)}, {"a": 1.0, "t": torch.ones(2)}])
     assert not rules.same([0.0, -0.0])
