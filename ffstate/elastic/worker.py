@@ -43,7 +43,9 @@ class ShapeWatch:
 
     def _drop_old_world(self, copied: int) -> None:
         """The old world's copies are kept until every rank of this one has a copy of a version past v* (a failure
-        until then resizes from them again); then each node's first rank drops them from its daemon."""
+        until then resizes from them again); then each node's first rank drops from its daemon the copies of every
+        world size but this one (not only the last: 4 -> 2, a failure before 2's copies were safe, then 2 -> 3,
+        leaves 4's copies too)."""
         job = self.job
         if not self._marked and copied > self.start_step:
             job.mark("resized-copy")
@@ -54,9 +56,11 @@ class ShapeWatch:
             if not job.all_marked("resized-copy"):
                 return
             try:
-                n = self.daemon().drop(job.job, -1, self.old_world, only_world=True)
-                log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size %d from "
-                         "node %s's daemon", job.rank, job.world, n, self.old_world, job.topology.node_id)
+                daemon = self.daemon()
+                worlds = sorted({s.shard.world_size for s in daemon.inventory(job.job).shards} - {job.world})
+                n = sum(daemon.drop(job.job, -1, w, only_world=True) for w in worlds)
+                log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size(s) %s from "
+                         "node %s's daemon", job.rank, job.world, n, worlds, job.topology.node_id)
             except ReplicaError as e:
                 log.warning("rank %d: could not drop the copies of world size %d: %s", job.rank, self.old_world, e)
         self.old_world = 0
