@@ -282,11 +282,20 @@ def shadow_step(ddp: torch.nn.Module, forward: Callable[[], Any]) -> None:
     buffers = [b.detach().clone() for b in ddp.buffers()]
     hook = hooks.state_of(ddp)  # its backward runs the communication hook, whose state must not move
     kept = copy.deepcopy(hook.state_dict()) if hook is not None else None
-    with torch.enable_grad():
-        out = forward()
-        leaves = [t for t in _tensors(out) if t.requires_grad]
-        if leaves:
-            torch.stack([t.float().sum() for t in leaves]).sum().backward()
+    # Under gradient accumulation the first forward after a restore may come inside DDP's ``no_sync``, where its
+    # backward records no gradient order and the buckets are not rebuilt: the shadow step syncs (every rank runs it).
+    sync = getattr(ddp, "require_backward_grad_sync", None)
+    if sync is False:
+        ddp.require_backward_grad_sync = True
+    try:
+        with torch.enable_grad():
+            out = forward()
+            leaves = [t for t in _tensors(out) if t.requires_grad]
+            if leaves:
+                torch.stack([t.float().sum() for t in leaves]).sum().backward()
+    finally:
+        if sync is False:
+            ddp.require_backward_grad_sync = False
     for p in ddp.parameters():
         p.grad = None
     with torch.no_grad():
