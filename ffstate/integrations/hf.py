@@ -122,10 +122,15 @@ class ReplicationCallback(TrainerCallback):
                     setattr(trainer, k, v)
             if isinstance(getattr(trainer, "_tr_loss", None), torch.Tensor) and self.box.restored_tr_loss is not None:
                 trainer._tr_loss = self.box.restored_tr_loss.to(trainer._tr_loss.device)
+            restore_exported(saved.get("stateful_callbacks", {}), [*trainer.callback_handler.callbacks, control])
         if self.restored and self.ff is not None and self.ff.cfg.shadow_ddp_step:
-            wrapped = self.box.trainer.model_wrapped  # the DDP module now: its buckets as a run that never stopped
-            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
-                capture.shadow_step_on_first_forward(wrapped)
+            ddp = _ddp_of(self.box.trainer.model_wrapped)  # the DDP module now: its buckets as a run that never stopped
+            if ddp is not None:
+                capture.shadow_step_on_first_forward(ddp)
+            elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                log.warning("rank %d: no DDP module in the Trainer's model (%s): no shadow step after the restore; if "
+                            "DDP reduces the gradients, its first step does so in another bucket order and the run is "
+                            "not bit-exact from here", dist.get_rank(), type(self.box.trainer.model_wrapped).__name__)
 
     def _commit(self, state: Any) -> None:
         self._pause.close()
@@ -156,6 +161,52 @@ class ReplicationCallback(TrainerCallback):
         self._commit(state)
 
 
+def restore_exported(saved: dict, live: list) -> None:
+    """The exportable callbacks' states (``EarlyStoppingCallback``'s patience counter, the ``TrainerControl``'s
+    flags) put back into ``live``'s callbacks of the same class, in order, in place: the Trainer's own resume makes
+    them anew from their ``args`` and ``attributes`` only with ``args.restore_callback_states_from_checkpoint``, off
+    by default. An ``args`` entry is an attribute of the same name (the control's flags are its ``args``)."""
+    for name, data in saved.items():
+        same = [cb for cb in live if isinstance(cb, ExportableState) and type(cb).__name__ == name]
+        for cb, state in zip(same, data if isinstance(data, list) else [data]):
+            for attribute, value in state.get("args", {}).items():
+                if hasattr(cb, attribute):
+                    setattr(cb, attribute, value)
+            for attribute, value in state.get("attributes", {}).items():
+                setattr(cb, attribute, value)
+
+
+def _ddp_of(model: Any) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The DDP module of the Trainer's wrapped model: itself, or under ``torch.compile`` (``torch_compile=True``:
+    accelerate wraps in DDP first, then compiles)."""
+    for m in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(m, torch.nn.parallel.DistributedDataParallel):
+            return m
+    return None
+
+
+def _check_supported(trainer: Any) -> None:
+    """What the adapter cannot replicate, refused before anything is committed (docs/hf.md).
+
+    Raises:
+        FFStateError: DeepSpeed or FSDP (they replace or rewrap the optimizer the adapter would commit), a
+            ``model_init`` or ``auto_find_batch_size`` (the Trainer makes the model or the loader again inside its
+            loop), or an ``IterableDataset`` (no position to resume at).
+    """
+    args = trainer.args
+    refused = [why for cond, why in (
+        (getattr(trainer, "is_deepspeed_enabled", False), "DeepSpeed (it replaces the optimizer and scheduler)"),
+        (getattr(trainer, "is_fsdp_enabled", False), "FSDP (the optimizer is made before the model is wrapped)"),
+        (getattr(trainer, "model_init", None) is not None, "model_init (the Trainer makes the model again)"),
+        (getattr(args, "auto_find_batch_size", False), "auto_find_batch_size (the loader is made again on an OOM)"),
+        (isinstance(getattr(trainer, "train_dataset", None), torch.utils.data.IterableDataset),
+         "an IterableDataset (no position a resume can skip to)"),
+    ) if cond]
+    if refused:
+        raise FFStateError(f"ffstate.integrations.hf.train cannot replicate this Trainer: {'; '.join(refused)} "
+                           "(docs/hf.md)")
+
+
 def _callback(trainer: Any) -> ReplicationCallback:
     for cb in trainer.callback_handler.callbacks:
         if isinstance(cb, ReplicationCallback):
@@ -172,11 +223,13 @@ def train(trainer: Any, config: Config | None = None, **train_kwargs: Any) -> An
             the same on every rank (``razor_identical``: the model is not wrapped yet when ffstate enters), verified.
 
     Raises:
-        FFStateError: ``resume_from_checkpoint`` given (ffstate resumes by itself), no ``ReplicationCallback``.
+        FFStateError: ``resume_from_checkpoint`` given (ffstate resumes by itself), no ``ReplicationCallback``, or
+            a setup it cannot replicate (``_check_supported``).
     """
     if train_kwargs.get("resume_from_checkpoint"):
         raise FFStateError("ffstate.integrations.hf.train resumes by itself: pass no resume_from_checkpoint")
     cb = _callback(trainer)
+    _check_supported(trainer)
     cfg = config or Config.from_env()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and not cfg.razor_identical:
         cfg = cfg.replace(razor_identical="model,optim/state")

@@ -83,8 +83,9 @@ class ReplicationCallback(Callback):
     ``StatefulDataLoader`` with ``shuffle=False`` (Lightning then puts a ``DistributedSampler`` in, which shuffles
     by seed and epoch) or with an explicit ``DistributedSampler``; ``generator=`` on the loaders keeps making their
     iterators from drawing the global RNG. Refused at the fit's start: ``ckpt_path`` (Lightning would load it over
-    the restored state), and a loader Lightning wraps in a ``DistributedSamplerWrapper`` (a sampler not of torch's,
-    e.g. ``StatefulDataLoader(shuffle=True)``: its order depends on a generator no state holds).
+    the restored state), a training loader that keeps no position (a plain ``DataLoader``: a restore would start its
+    epoch over), and a loader Lightning wraps in a ``DistributedSamplerWrapper`` (a sampler not of torch's, e.g.
+    ``StatefulDataLoader(shuffle=True)``: its order depends on a generator no state holds).
     """
 
     def __init__(self, config: Config | None = None):
@@ -123,6 +124,11 @@ class ReplicationCallback(Callback):
 
     def _check_loaders(self, trainer: Any) -> None:
         for loader in trainer.fit_loop._combined_loader.flattened:
+            if not all(callable(getattr(loader, m, None)) for m in ("state_dict", "load_state_dict")):
+                raise FFStateError(
+                    f"the training loader ({type(loader).__name__}) keeps no position: a restore mid-epoch would start "
+                    "the epoch's batches over, and the run would not be the one without a failure. Use torchdata's "
+                    "StatefulDataLoader (the same arguments as DataLoader's; docs/lightning.md)")
             sampler = getattr(loader, "sampler", None)
             if type(sampler).__name__ == "DistributedSamplerWrapper":
                 inner = type(getattr(sampler, "dataset", sampler)).__name__
