@@ -162,7 +162,12 @@ class Drainer:
                 return
 
     def _look(self, d: Drain) -> None:
-        rows = [(s, *_progress(s)) for s in self._of(d.job)]
+        shards = _current(self._of(d.job))
+        if d.state == "draining":  # a rank restarted before it stopped re-attached, which cleared its mark: again
+            for s in shards:
+                if s.slots.drain()[0] != d.requested:
+                    s.slots.set_drain(d.requested)
+        rows = [(s, *_progress(s)) for s in shards]
         if not rows:
             return
         stopped = [r for r in rows if r[3]]
@@ -193,6 +198,27 @@ class Drainer:
             d.message = f"sent SIGTERM to {d.signalled} (the ranks' torchrun agent, or the workers)"
             log.warning("drain of job %s: %s; the job goes on without this node from step %d", d.job, d.message,
                         d.version)
+
+
+def _current(shards: list) -> list:
+    """The shards of the world size this node's live workers train at: a copy made at another world size, kept after
+    a resize until the new shape's copies are safe, never commits again and must not hold a drain up."""
+    live = set()
+    for s in shards:
+        w = s.slots.worker()
+        if w is not None and _alive(w.pid):
+            live.add(s.key.world_size)
+    return [s for s in shards if not live or s.key.world_size in live]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: there
+        pass
+    return True
 
 
 def _progress(shard) -> tuple[int, int, int]:

@@ -102,3 +102,37 @@ def test_a_rank_s_agent_not_ours_to_signal_is_said_and_a_failure_to_follow_the_d
     drainer.request("j", leave=True)
     until(drainer, "failed")  # said in the report, not left "drained" by a thread that died
     assert "following the drain failed" in drainer.report("j").message
+
+
+def test_a_drain_after_a_resize_ignores_the_old_world_s_copy_and_asks_a_restarted_rank_again(tmp_path, monkeypatch):
+    """Two things that held a drain up for good: the copy of the world size the job resized from (kept until the
+    new shape's copies are safe; it never commits again, so its step never reaches the others'), and a rank that
+    restarted before it stopped (its attach clears its mark: it would never be told to stop)."""
+    import subprocess
+    import sys
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        state, worker, daemon = stack.enter_context(worker_and_daemon_slots(tmp_path, monkeypatch,
+                                                                            {"w": torch.ones(100)}, world=2))
+        _, old_worker, old_daemon = stack.enter_context(worker_and_daemon_slots(tmp_path, monkeypatch,
+                                                                                {"w": torch.ones(100)}, world=4))
+        SlotWriter(worker).commit(state, 7)
+        worker.set_worker(os.getpid(), "")
+        SlotWriter(old_worker).commit(state, 5)
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        old_worker.set_worker(gone.pid, "")  # the old world's process, long gone
+        shard = SimpleNamespace(key=ShardKey("j", 0, 2), holders=["peer:1"], slots=daemon, replicated_version=7)
+        old = SimpleNamespace(key=ShardKey("j", 0, 4), holders=["peer:1"], slots=old_daemon, replicated_version=5)
+        drainer = Drainer(lambda: [old, shard], kill=lambda pid, sig: None)
+        drainer.request("j", leave=False)
+        drainer.forget(shard)  # the rank restarted and attached again before its next commit
+        assert worker.drain()[0] == 0
+        deadline = time.monotonic() + 10
+        while worker.drain()[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.drain()[0] == drainer.report("j").requested_unix  # asked again
+        worker.set_drained(7)
+        until(drainer, "drained")
+        assert drainer.report("j").version == 7
