@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ffstate.daemon.watchdog import alive
 from ffstate.errors import ReplicaError
 from ffstate.reports import DrainRankReport, DrainReport
 
@@ -206,19 +207,9 @@ def _current(shards: list) -> list:
     live = set()
     for s in shards:
         w = s.slots.worker()
-        if w is not None and _alive(w.pid):
+        if w is not None and alive(w.pid):
             live.add(s.key.world_size)
     return [s for s in shards if not live or s.key.world_size in live]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: there
-        pass
-    return True
 
 
 def _progress(shard) -> tuple[int, int, int]:
