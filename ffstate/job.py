@@ -117,8 +117,28 @@ class Job:
             return [value]
         self.store.set(self.key(name, self.rank), json.dumps(value))
         keys = [self.key(name, r) for r in ranks]
-        self.store.wait(keys, timedelta(timeout))
+        self.wait(keys, timeout, f"exchange {name!r}")
         return [json.loads(v) for v in self.store.multi_get(keys)]
+
+    def wait(self, keys: list[str], timeout: float, what: str) -> None:
+        """Waits until every one of ``keys`` is in the store, at most ``timeout`` seconds, in slices growing from 1
+        to 30 s: a wait inside the store's C++ holds an exception raised into this thread from another (the
+        in-process engine's restart, after a failure elsewhere) until it returns, and every survivor with it.
+
+        Raises:
+            DistStoreError: some keys were still missing at the timeout (the message names them).
+        """
+        deadline, piece = time.monotonic() + timeout, 1.0
+        while True:
+            try:
+                self.store.wait(keys, timedelta(max(0.001, min(piece, deadline - time.monotonic()))))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() >= deadline:
+                    missing = [k.rsplit("/", 1)[-1] for k in keys if not self.store.check([k])]
+                    raise dist.DistStoreError(f"rank {self.rank}: {what}: {len(missing)} of {len(keys)} not in the "
+                                              f"job's store after {timeout:.0f} s: {missing[:8]}") from None
+                piece = min(piece * 2, 30.0)
 
     def barrier(self, name: str) -> int:
         """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``; returns how many had
@@ -195,7 +215,8 @@ class Job:
             return [placement.daemon_address(n, self.cfg) for n in nodes]
         keys = [self.key("daemon", n) for n in nodes]
         if keys:
-            self.store.wait(keys, timedelta(self.cfg.connect_timeout * 2))
+            self.wait(keys, self.cfg.connect_timeout * 2, "the daemons' addresses of nodes "
+                      f"{nodes} (published by each node's first rank)")
         return [self.store.get(k).decode() for k in keys]
 
     # ------------------------------------------------------------ events
