@@ -4,19 +4,23 @@ worker after a failure) or in the mode where survivors stay in their processes (
 ``ffstate.inprocess.restartable``, launched as every process of the job, spares included).
 
     python -m ffstate.bench._downtime_worker OUT STEPS --mode torchrun|inprocess [--kill PROCESS:STEP ...]
-        [--kill-after-restore PROCESS] [--step-seconds S] [--dump-steps S,...]
+        [--kill-after-restore PROCESS] [--step-seconds S] [--dump-steps S,...] [--stuck PROCESS:STEP]
+        [--unwind-grace SECONDS]
 
 ``--kill P:S``: process P (its RANK at launch; under torchrun the rank) SIGKILLs itself right after committing step
 S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself right after its first restore in a
-restarted entry, before its first step (two failures in a row). ``--step-seconds``: each step sleeps to take at
-least this long (a job whose steps are not all Python on 2 cores). Every process appends to OUT/progress.jsonl:
-``{"kill": P}`` before it dies; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process
-began, its process group is up, ffstate restored it); ``{"process", "event": "left", "attempt"}`` once the in-process
+restarted entry, before its first step (two failures in a row). ``--stuck P:S``: process P, right after committing
+step S of its first entry, waits an hour inside C (``time.sleep``), where the engine's restart cannot reach it: what
+a survivor stuck in a wait the abort did not end looks like (``ffstate/inprocess/unwind.py``; ``--unwind-grace``,
+the engine's bound on it). ``--step-seconds``: each step sleeps to take at least this long (a job whose steps are
+not all Python on 2 cores). Every process appends to OUT/progress.jsonl: ``{"kill": P}`` before it dies; ``{"stuck":
+P}`` before it waits; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process began,
+its process group is up, ffstate restored it); ``{"process", "event": "left", "attempt"}`` once the in-process
 engine returned (``attempt``: ``FFSTATE_ATTEMPT`` then, None once the engine put its environment back);
-``{"process", "rank", "step", "iteration"}`` at every commit; each with its wall ``time``. At the end each rank writes
-OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first entry writes its state at those steps
-(OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was restored to (OUT/restored-it<I>-rank<R>.pt):
-what a shrink's restore is checked against.
+``{"process", "rank", "step", "iteration"}`` at every commit; each with its wall ``time``. At the end each rank
+writes OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first entry writes its state at those steps
+(OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was restored to
+(OUT/restored-it<I>-rank<R>.pt): what a shrink's restore is checked against.
 """
 
 import time
@@ -24,10 +28,12 @@ import time
 STARTED = time.time()  # before the imports: a restarted worker's start, as torchrun gives it
 
 import argparse  # noqa: E402
+import faulthandler  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -46,12 +52,17 @@ def main() -> None:
     p.add_argument("--mode", choices=("torchrun", "inprocess"), required=True)
     p.add_argument("--kill", action="append", default=[])
     p.add_argument("--kill-after-restore", type=int, default=-1)
+    p.add_argument("--stuck", default="")
+    p.add_argument("--unwind-grace", type=float, default=None)
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--dump-steps", default="")
     a = p.parse_args()
+    # `kill -USR2` writes every thread's stack to the process's log: what a test that waited in vain reports.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
     kills = {(int(k.split(":")[0]), int(k.split(":")[1])) for k in a.kill}  # (process, step)
+    stuck = tuple(int(x) for x in a.stuck.split(":")) if a.stuck else None
     process = int(os.environ["RANK"])
     torch.manual_seed(0)  # every stream alike on every rank: a shrink (Config.min_nodes) takes them over (docs/elastic.md)
     random.seed(0)
@@ -107,6 +118,9 @@ def main() -> None:
                     dump(a.out / f"step{step + 1}-rank{rank}.pt")
                 if (process, step + 1) in kills:
                     die(f"killed-{process}-{step + 1}")
+                if (process, step + 1) == stuck and not iteration:
+                    note({"stuck": process})
+                    time.sleep(3600)  # in C: the engine's restart is not delivered until it returns
         dump(a.out / f"final-rank{rank}.pt")
         return rank
 
@@ -117,7 +131,7 @@ def main() -> None:
         return
     from ffstate.inprocess import restartable
 
-    @restartable()
+    @restartable(**({} if a.unwind_grace is None else {"unwind_grace": a.unwind_grace}))
     def attempt(at):
         return train(at.rank, at.world, at.iteration)
 

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext.inprocess.abort import Abort, AbortTorchDistributed
 
 from ffstate import inflight
+from ffstate.inprocess.unwind import UnwindDeadline
 
 log = logging.getLogger("ffstate.inprocess")
 
@@ -68,8 +69,10 @@ class GroupAbort(Abort):
     collective): NCCL groups by the extension's own abort; gloo groups by shutting down their sockets, then the
     group is destroyed."""
 
-    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+    def __init__(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+                 unwind: UnwindDeadline | None = None) -> None:
         self._sockets: dict[int, str] = {}
+        self._unwind = unwind  # armed at each abort: the training thread must leave its step within its grace
         self._nccl = AbortTorchDistributed()
         self._timeout = timeout.total_seconds()  # the groups' own: how long an aborted one is held
 
@@ -78,6 +81,8 @@ class GroupAbort(Abort):
         self._sockets = dict(sockets)
 
     def __call__(self, state: Any) -> Any:
+        if self._unwind is not None:
+            self._unwind.aborted()
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return self._nccl(state)
         start = time.perf_counter()

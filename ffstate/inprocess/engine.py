@@ -37,6 +37,7 @@ from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
 from ffstate.inprocess.assignment import Assignment, Layout
 from ffstate.inprocess.locks import ReleaseLoggingLocks
 from ffstate.inprocess.store import START_WAIT, ensure, heartbeat, wait_listening
+from ffstate.inprocess.unwind import GRACE, UnwindDeadline, Unwound
 from ffstate.job import job_id
 
 log = logging.getLogger("ffstate.inprocess")
@@ -95,7 +96,8 @@ class NodeSpares(RankAssignment):
         return ctx
 
 
-def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None):
+def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None,
+                unwind_grace: float = GRACE):
     """Runs a training function so that, when a rank dies, the other ranks stay in their processes: the function is
     entered again (a fresh process group each time), a warm spare takes the dead rank's place, and every rank
     resumes at the step the job reached from ffstate's copies.
@@ -108,6 +110,10 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
     and spare nodes: ``Config.spares`` and ``Config.spare_nodes``; nodes: ``SLURM_NNODES`` (or ``NNODES``), or
     ``Config.simulated_nodes`` on one machine; with ``Config.min_nodes``, a node with no spare left leaves the job and
     the others go on at the smaller world size (``Attempt.world`` says it; the loop's data must follow it).
+    ``unwind_grace``: seconds a survivor's training thread may take to leave its step after its process group was
+    aborted; one still inside a wait the abort did not end (gloo's queued sends) then ends its process, which the
+    job survives as any rank's death (``ffstate/inprocess/unwind.py``), rather than hold every rank for the group's
+    30-minute timeout.
 
     Returns:
         The function's return value on a training rank; None on a process that stayed a spare.
@@ -120,7 +126,7 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
-            return _run(f, args, kwargs, config or Config.from_env(), backend)
+            return _run(f, args, kwargs, config or Config.from_env(), backend, unwind_grace)
 
         return run
 
@@ -146,7 +152,8 @@ def layout_of(cfg: Config, processes: int) -> Layout:
                            "Config.simulated_nodes)") from None
 
 
-def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None) -> Any:
+def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None,
+         unwind_grace: float) -> Any:
     for var, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS")):  # srun sets these
         if var not in os.environ and slurm in os.environ:
             os.environ[var] = os.environ[slurm]
@@ -168,7 +175,10 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
     heartbeat(host, port)  # once the host listens (another node's process may start before it)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    abort = GroupAbort(PG_TIMEOUT)  # an aborted group is held that long, off the training's thread
+    # A survivor still in its step UnwindDeadline's grace after an abort (a wait in C++ the abort did not end) ends
+    # itself rather than hold every rank until the group's timeout (ffstate/inprocess/unwind.py).
+    deadline = UnwindDeadline(unwind_grace, what=f"process {process}")
+    abort = GroupAbort(PG_TIMEOUT, unwind=deadline)  # an aborted group is held that long, off the training's thread
     assignment = NodeSpares(layout)
     # A spare waits warm: what a first entry imports is imported now (DistributedDataParallel's first construction
     # imports torch._dynamo, 1.4 s here; torch.distributed.optim scripts its functional optimizers, 0.4 s; ffstate's
@@ -183,7 +193,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     with _without("LOCAL_RANK"):  # the extension >= 0.5 adds GPU health checks where it is set; none on a CPU
         wrapper = inprocess.Wrapper(store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
                                     abort=abort, rank_assignment=assignment, health_check=None,
-                                    finalize=ReleaseLoggingLocks(),
+                                    finalize=inprocess.Compose(ReleaseLoggingLocks(), Unwound(deadline)),
                                     monitor_process_logfile=str(run_dir / "engine-{rank}.log"), **WRAPPER)
     per = layout.per_node
 
@@ -191,6 +201,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
         rank, world, it = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), call_wrapper.iteration
         os.environ.update(FFSTATE_ATTEMPT=str(it), LOCAL_WORLD_SIZE=str(per), GROUP_RANK=str(rank // per),
                           LOCAL_RANK=str(rank % per))
+        deadline.what = f"rank {rank} (process {process}, iteration {it})"
         if cfg.simulated_nodes:  # after a shrink, fewer nodes than launched (ffstate.replicate reads it)
             os.environ["FFSTATE_SIMULATED_NODES"] = str(world // per)
         start = time.perf_counter()
@@ -217,6 +228,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
         with _environment_kept(ATTEMPT_VARIABLES):  # the process after the engine is not one of its ranks any more
             return wrapper(attempt)()
     finally:
+        deadline.unwound()  # the engine returned or gave up: this thread is out of every step
         inflight.enable(False)
 
 

@@ -55,14 +55,16 @@ def progress(out: Path) -> list[dict]:
 def wait_for_step(out: Path, step: int, procs: list[subprocess.Popen], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not any(r.get("step", 0) >= step for r in progress(out)):
-        assert time.monotonic() < deadline, f"no step {step} within {timeout}s" + evidence(out, procs)
+        assert time.monotonic() < deadline, f"no step {step} within {timeout}s" + evidence(out, procs, stuck=True)
         assert all(p.poll() in (None, 0, -9) for p in procs), f"{[p.poll() for p in procs]}" + evidence(out, procs)
         time.sleep(0.05)
 
 
-def evidence(out: Path, procs: list[subprocess.Popen]) -> str:
+def evidence(out: Path, procs: list[subprocess.Popen], stuck: bool = False) -> str:
     """What a failure's report needs when the run folder is gone (CI): the daemons' errors and warnings, and the end
-    of the log of each process that ended other than killed."""
+    of the log of each process that ended other than killed. A job that is ``stuck`` (no progress, nothing failed)
+    also reports where each live process and daemon is: their stacks (``kill -USR2``), the last lines of their logs
+    and of the engine's, and the last progress rows."""
     lines = []
     for log in sorted(out.glob("ffstate-*/daemon-*.log")):
         lines += [f"{log.name}: {line}" for line in log.read_text(errors="replace").splitlines()
@@ -70,7 +72,36 @@ def evidence(out: Path, procs: list[subprocess.Popen]) -> str:
     for i, p in enumerate(procs):
         if p.poll() not in (None, 0, -9):
             lines += [f"p{i}.log: {line}" for line in (out / f"p{i}.log").read_text(errors="replace").splitlines()[-15:]]
+    if stuck:
+        lines += [f"progress: {r}" for r in progress(out)[-8:]] or ["progress: none"]
+        daemons = [int(f.read_text()) for f in out.glob("ffstate-*/daemon-*.pid") if f.read_text().strip().isdigit()]
+        for pid in [p.pid for p in procs if p.poll() is None] + daemons:
+            try:
+                os.kill(pid, signal.SIGUSR2)  # faulthandler: every thread's stack to the log
+            except OSError:
+                pass
+        time.sleep(3)
+        logs = [(f"p{i}.log", out / f"p{i}.log") for i, p in enumerate(procs) if p.poll() is None]
+        logs += [(f.name, f) for kind in ("daemon", "engine") for f in sorted(out.glob(f"ffstate-*/{kind}-*.log"))]
+        for name, path in logs:
+            lines += [f"{name}: {line}" for line in _stacks_and_tail(path.read_text(errors="replace"))]
     return "\n" + "\n".join(lines)
+
+
+def _stacks_and_tail(text: str, tail: int = 6) -> list[str]:
+    """A log's last lines before faulthandler's dump, and each thread of the dump with its innermost frames (12 of
+    the thread the signal interrupted, the main one as a rule; 3 of the others)."""
+    rows = text.splitlines()
+    start = next((i for i, r in enumerate(rows) if r.startswith(("Thread 0x", "Current thread 0x"))), len(rows))
+    kept, left = rows[max(0, start - tail):start], 0
+    for r in rows[start:]:
+        if r.startswith(("Thread 0x", "Current thread 0x")):
+            kept.append(r)
+            left = 12 if r.startswith("Current") else 3
+        elif r.startswith("  File ") and left:
+            kept.append(r)
+            left -= 1
+    return kept
 
 
 def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float = 400) -> list[int]:
@@ -160,6 +191,32 @@ def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_
         assert max(e["steps_lost"] for e in these) <= lost, these
     assert sorted(e["rank"] for e in restored if e["attempt"] == 4) == [0, 1, 2, 3]
     assert [k["kill"] for k in rows if "kill" in k] == [1, 4]  # the others were killed from outside
+
+
+def test_a_survivor_stuck_in_c_after_the_abort_ends_itself_and_the_job_goes_on_bit_identical(tmp_path, reference):
+    """Rank 1 dies after step 5; rank 2's training thread is then inside C (an hour's sleep), where the engine's
+    restart is not delivered, as a survivor waiting on a send gloo had queued is. Without a bound every rank would
+    wait in the engine's barrier until it returned (an hour here; gloo's timeout, 30 minutes, for the real thing).
+    The unwind deadline (3 s here) ends that process with a report of where it was; the job restarts without it,
+    node 1's spare taking its rank, and ends bit-identical to the same job without failures."""
+    out = tmp_path
+    layout = {**LAYOUT, "FFSTATE_SPARE_NODES": "0"}  # node 0: processes 0, 1, spare 2; node 1: 3, 4, spare 5
+    procs, env = launch(out, ["1:5"], layout=layout, processes=6, extra=("--stuck", "3:5", "--unwind-grace", "3"))
+    codes = finish(procs, out, env, timeout=300)
+    assert codes == [0, -9, 0, -9, 0, 0], (codes, evidence(out, procs))
+    for got, want in zip(finals(out), reference):
+        assert_bitwise_equal(got, want)
+    report = (out / "p3.log").read_text()
+    assert "ffstate.inprocess: rank 2 (process 3, iteration 0): the training thread is still in its step" in report
+    assert "in main" in report.split("the training thread is still in its step")[1]  # its stacks follow
+    rows = progress(out)
+    assert [r["stuck"] for r in rows if "stuck" in r] == [3]
+    last = {r["rank"]: r["process"] for r in rows if r.get("step") == STEPS}
+    assert last == {0: 0, 1: 2, 2: 5, 3: 4}, last  # each node's spare took the rank of its lost process
+    events = [json.loads(line) for line in (out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "events.jsonl").read_text()
+              .splitlines()]
+    restored = [e for e in events if e["event"] == "restored" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in restored) == [0, 1, 2, 3] and {e["version"] for e in restored} == {5}, restored
 
 
 def test_no_spare_left_the_node_leaves_and_the_others_go_on_at_the_smaller_world_size(tmp_path):
