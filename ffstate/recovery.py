@@ -251,15 +251,16 @@ def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, l
 
 
 def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...], load: Callable[[Any], None],
-            entry: float, resize: Callable[[int, Path | None], Restored] | None = None,
+            entry: float, resize: Callable[[list[int], Path | None, int, int], Restored | None] | None = None,
             map_location: Any = None) -> Restored | None:
     """Restores this rank at v*, or returns None when the job has no copies (a fresh start).
 
     ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group``
     the ranks of its razor group (empty without the razor), ``load(state)`` puts a state into the
     training objects, ``entry`` is ``time.perf_counter()`` at the process's entry into ``replicate``.
-    When the job's newest copies were made at another world size (the job shrank or grew), ``resize(old world size,
-    the persistent tier's job folder)`` restores from them instead, in this run's shape (``ffstate/elastic/``).
+    When the job's newest copies were made at other world sizes (the job shrank or grew), ``resize(those sizes, newest
+    first, the persistent tier's job folder, v*, the newest step seen)`` restores in this run's shape from the first whose newest version
+    held for every old rank is past v* (``ffstate/elastic/``); None: none is, and v* is taken.
     ``map_location`` places this rank's tensors (``layout.empty_leaves``; ``capture.placement``: onto the device
     its model is on, whichever its process had before), the razor group's on the CPU.
 
@@ -293,16 +294,15 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
     v, last, worlds = negotiate(job, restorable(available), missing=missing, seen=seen,
                                 live=restorable(available, live_only=True),
                                 check=lambda vs: checked(disk_dir, vs, needed), others=others)
-    newer = {w: n for w, n in worlds.items() if n > v}
-    if newer:  # the newest copies are of another shape: resume from them, resharded
-        old_world = max(newer, key=lambda w: (newer[w], w))
-        if resize is None:
-            raise FFStateError(f"job {job.job} has copies made with world size {old_world}; this run has world size "
-                               f"{job.world} and nothing to reshard them with")
-        log.info("rank %d: the job's newest copies were made at world size %d (up to step %d), this run has %d: "
-                 "resuming from them, resharded", me, old_world, newer[old_world], job.world)
+    newer = sorted((w for w, n in worlds.items() if n > v), key=lambda w: (worlds[w], w), reverse=True)
+    if newer and resize is None:  # copies of another shape are newer
+        raise FFStateError(f"job {job.job} has copies made with world size {newer[0]}; this run has world size "
+                           f"{job.world} and nothing to reshard them with")
+    if newer:
         with layout.gc_paused():
-            return resize(old_world, disk_dir)
+            resized = resize(newer, disk_dir, v, max([last, *worlds.values()]))
+        if resized is not None:
+            return resized
     if disk_dir is not None:
         drop_newer(job, disk_dir, v)
     if v == 0:

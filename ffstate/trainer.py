@@ -128,12 +128,12 @@ class Replicated:
         if self.extra is not None:
             extras.warn_pitfalls(self.extra, self.rank)
 
-    def _resize_restore(self, old: int, disk: Any) -> Any:
-        """A restore from copies made at another world size (``ffstate/elastic/``; imported here, at a resize:
+    def _resize_restore(self, olds: list[int], disk: Any, v_here: int, seen: int) -> Any:
+        """A restore from copies made at other world sizes (``ffstate/elastic/``; imported here, at a resize:
         it brings torch.distributed.checkpoint, a second of every worker's start otherwise)."""
         from ffstate.elastic import resize
 
-        return resize.restore(self.job, self.daemon, old, disk, self._reshard, self._t0)
+        return resize.restore(self.job, self.daemon, olds, disk, v_here, seen, self._reshard, self._t0)
 
     def _reshard(self, states: dict[int, Any], prefer: list[int]) -> None:
         """Copies made at another world size, into this run's objects (``ffstate/elastic/``)."""

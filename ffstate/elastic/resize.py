@@ -31,16 +31,48 @@ log = logging.getLogger("ffstate.elastic")
 AGREE_TIMEOUT = 300.0  # seconds a rank waits for every rank's verdict on the resize
 
 
-def restore(job: Job, daemon: Client, old_world: int, disk_dir: Path | None,
-            load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored:
-    """Resumes this rank from the copies made at ``old_world``: v* is the newest version every old rank has somewhere
-    (this node's slots, any daemon of this job's nodes, the persistent tier in ``disk_dir``); every old rank's copy
-    of it goes to ``load_states(states, prefer)`` (old rank -> state; ``prefer``: the old ranks read from this node).
+def restore(job: Job, daemon: Client, old_worlds: list[int], disk_dir: Path | None, v_here: int, seen: int,
+            load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored | None:
+    """Resumes this rank from copies made at another world size: of ``old_worlds`` (newest copies first), the first
+    whose v* (the newest version every old rank has somewhere: this node's slots, any daemon of this job's nodes, the
+    persistent tier in ``disk_dir``) is past ``v_here``, the v* this world size's own copies give. Every old rank's
+    copy of it goes to ``load_states(states, prefer)`` (old rank -> state; ``prefer``: the old ranks read from this
+    node). The newest copies seen are not always restorable: a node lost in the steps right after a resize takes the
+    new shape's only copies of its ranks, while the old shape's are still kept (``worker.py``). ``seen``: the newest
+    step any copy of the job reached, at any world size (what the steps lost count from).
+
+    Returns:
+        None when no old world size gives a version past ``v_here`` (the caller resumes at ``v_here``).
 
     Raises:
-        FFStateError: no version is held for every old rank (the message names those without any copy).
+        FFStateError: ``v_here`` is 0 and no old world size has a version held for every old rank (the message
+            names, for each, the old ranks without any copy).
     """
-    me, ranks = job.rank, list(range(old_world))
+    why = []
+    for old_world in old_worlds:
+        v, last, available, lookups, daemons, lost = _survey(job, daemon, old_world, disk_dir)
+        if v > v_here:
+            log.info("rank %d: the job's newest copies every rank can restore were made at world size %d (step %d; "
+                     "seen up to %d), this run has %d: resuming from them, resharded", job.rank, old_world, v, last,
+                     job.world)
+            return _resume(job, old_world, disk_dir, v, max(last, seen), available, lookups, daemons, load_states,
+                           entry)
+        why.append(f"world size {old_world}: {'; '.join(lost) or 'their versions have none in common'}" if not v else
+                   f"world size {old_world}: step {v}, not past step {v_here} of world size {job.world}")
+        log.warning("rank %d: the copies made at world size %d (seen up to step %d) give no version past %d that "
+                    "every old rank has (%s)%s", job.rank, old_world, last, v_here, why[-1],
+                    "; trying the next older shape" if old_world != old_worlds[-1] else "")
+    if v_here:
+        return None
+    raise FFStateError(f"cannot resume at world size {job.world} from the copies made at world size(s) "
+                       f"{', '.join(map(str, old_worlds))}: no version is "
+                       f"held for every old rank ({' | '.join(why)}). Restart with the lost node's copies reachable, "
+                       "or under a new job id to begin from scratch")
+
+
+def _survey(job: Job, daemon: Client, old_world: int, disk_dir: Path | None) -> tuple:
+    """v* over the copies made at ``old_world`` (agreed by every rank), and what fetching them needs."""
+    ranks = list(range(old_world))
     addresses = job.daemon_addresses(list(range(job.topology.num_nodes))) if job.store is not None else []
     daemons = {a: job.client(a) for a in dict.fromkeys([daemon.address, *addresses])}
     here = {s.shard.rank for s in daemon.inventory(job.job).shards
@@ -55,13 +87,18 @@ def restore(job: Job, daemon: Client, old_world: int, disk_dir: Path | None,
             f"{sorted(daemons)}{' or in the persistent tier' if disk_dir is not None else ''}"
             for r, a in sorted(available.items()) if not a.versions]
     seen = max([0, *(max(a.versions) for a in available.values() if a.versions)])
-    v, last, _ = negotiate(job, restorable(available), missing=lost, seen=seen,
-                           live=restorable(available, live_only=True),
-                           check=lambda vs: checked(disk_dir, vs, ranks), name="resize-versions")
-    if v == 0:
-        raise FFStateError(f"cannot resume at world size {job.world} from the copies made at {old_world}: no version "
-                           f"is held for every old rank ({'; '.join(lost) or 'their versions have none in common'}). "
-                           "Restart with the lost node's copies reachable, or under a new job id to begin from scratch")
+    try:  # every rank agrees on the same lists: each gets the same answer, or the same refusal
+        v, last, _ = negotiate(job, restorable(available), missing=lost, seen=seen,
+                               live=restorable(available, live_only=True),
+                               check=lambda vs: checked(disk_dir, vs, ranks), name=f"resize-versions-{old_world}")
+    except FFStateError as e:  # copies, but no version every old rank has: this shape cannot be resumed from
+        return 0, seen, available, lookups, daemons, lost or [str(e)]
+    return v, last, available, lookups, daemons, lost
+
+
+def _resume(job: Job, old_world: int, disk_dir: Path | None, v: int, last: int, available: dict, lookups: dict,
+            daemons: dict, load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored:
+    me, ranks = job.rank, list(range(old_world))
     if disk_dir is not None:
         drop_newer(job, disk_dir, v)
     start = time.perf_counter()
