@@ -206,7 +206,9 @@ def main() -> None:
     model, opt, sched = build(a.parallel)
     sampler = ElasticSampler(SAMPLES, BATCH, seed=1)
     loader = torch.utils.data.DataLoader([sample(i) for i in range(SAMPLES)], batch_sampler=sampler)
-    extra = {"data": sampler, "samples": 0}
+    # The samples the job took in the current epoch, and the epochs it finished: what the sampler's position and
+    # epoch must say after any resize (an epoch ends when fewer than a step's worth are left, at the world size then).
+    extra = {"data": sampler, "samples": 0, "epochs": 0}
     if a.per_rank_extra:
         extra["per_rank"] = (PerRankHooked if a.per_rank_extra == "hooked" else PerRank)(rank)
     refs = a.out / "ref"
@@ -216,7 +218,7 @@ def main() -> None:
             verdict = check(refs / f"step{got.version}", a.parallel, model, opt, sched)
             verdict.update(v=got.version, from_world=got.from_world, world=world, lost=got.steps_lost,
                            seconds=got.seconds, entry=got.entry_seconds, samples=extra["samples"],
-                           position=sampler.position)
+                           position=sampler.position, epochs=extra["epochs"], epoch=sampler.epoch)
             (a.out / f"check-v{got.version}-w{world}-rank{rank}.json").write_text(json.dumps(verdict))
         step = ff.start_step
         while step < a.steps:
@@ -248,6 +250,8 @@ def main() -> None:
                     a.steps = step
                 if step >= a.steps:
                     break
+            else:  # the epoch ended: the sampler begins the next one at position 0
+                extra["samples"], extra["epochs"] = 0, extra["epochs"] + 1
     dist.destroy_process_group()
 
 

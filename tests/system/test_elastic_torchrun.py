@@ -116,7 +116,7 @@ def bit_exact(job: ElasticJob, old: int, world: int, lost_at_most: int) -> int:
     v = rows[-1]["version"]
     for g in job.checks(v, world):
         assert g["mismatches"] == [] and g["tensors"] > 0 and g["lost"] <= lost_at_most, g
-        assert g["position"] == g["samples"], g
+        assert g["position"] == g["samples"] and g["epoch"] == g["epochs"], g  # past an epoch's end too
     return v
 
 
