@@ -255,12 +255,12 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
             map_location: Any = None) -> Restored | None:
     """Restores this rank at v*, or returns None when the job has no copies (a fresh start).
 
-    ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group``
-    the ranks of its razor group (empty without the razor), ``load(state)`` puts a state into the
-    training objects, ``entry`` is ``time.perf_counter()`` at the process's entry into ``replicate``.
-    When the job's newest copies were made at other world sizes (the job shrank or grew), ``resize(those sizes, newest
-    first, the persistent tier's job folder, v*, the newest step seen)`` restores in this run's shape from the first whose newest version
-    held for every old rank is past v* (``ffstate/elastic/``); None: none is, and v* is taken.
+    ``daemon`` is this node's daemon, ``holders`` the addresses of this rank's replica holders, ``group`` the ranks
+    of its razor group (empty without the razor), ``load(state)`` puts a state into the training objects, ``entry``
+    is ``time.perf_counter()`` at the process's entry into ``replicate``. When the job's newest copies were made at
+    other world sizes (it shrank or grew), ``resize(those sizes, newest first, the persistent tier's job folder, v*,
+    the newest step seen)`` restores in this run's shape from the first whose newest version held for every old
+    rank is past v* (``ffstate/elastic/``); None: none is, and v* is taken.
     ``map_location`` places this rank's tensors (``layout.empty_leaves``; ``capture.placement``: onto the device
     its model is on, whichever its process had before), the razor group's on the CPU.
 
@@ -268,8 +268,7 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
         FFStateError: no version every rank can restore although copies exist (see ``negotiate``), or the
             copies were made with another razor setting, or at another world size and ``resize`` is None.
     """
-    me, topo = job.rank, job.topology
-    needed = sorted({me, *group})
+    me, topo, needed = job.rank, job.topology, sorted({job.rank, *group})
     lookups = {r: daemon.lookup(job.job, r, job.world) if r in topo.node_ranks else None for r in needed}
     # This node's daemon counts too: it holds other nodes' ranks' replicas (their parts, under the razor).
     daemons = {a: job.client(a) for a in [daemon.address, *holders, *_other_daemons(job, needed, holders)]}
@@ -295,12 +294,13 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
                                 live=restorable(available, live_only=True),
                                 check=lambda vs: checked(disk_dir, vs, needed), others=others)
     newer = sorted((w for w, n in worlds.items() if n > v), key=lambda w: (worlds[w], w), reverse=True)
+    last = max([last, *worlds.values()])  # the steps lost count from the newest step any shape reached
     if newer and resize is None:  # copies of another shape are newer
         raise FFStateError(f"job {job.job} has copies made with world size {newer[0]}; this run has world size "
                            f"{job.world} and nothing to reshard them with")
     if newer:
         with layout.gc_paused():
-            resized = resize(newer, disk_dir, v, max([last, *worlds.values()]))
+            resized = resize(newer, disk_dir, v, last)
         if resized is not None:
             return resized
     if disk_dir is not None:

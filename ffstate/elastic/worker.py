@@ -24,18 +24,21 @@ class ShapeWatch:
                  flush: Callable[[], None] = lambda: None):
         self.job, self.daemon, self.pause, self.flush = job, daemon, pause, flush
         self.old_world = 0  # after a resize: the old world size, until its copies are dropped
+        self.others = False  # after any restore: other shapes' copies may be left, until dropped
         self.start_step = 0
         self._marked = False  # after a resize: this rank has a copy of a version past v*
         self._given_up = 0.0  # the drain request this rank stopped for and then gave up (Config.drain_hold)
 
     def resized(self, old_world: int, version: int) -> None:
-        """This rank resumed at ``version`` from copies made at ``old_world`` ranks (0: its own world size)."""
-        self.old_world, self.start_step = old_world, version
+        """This rank resumed at ``version`` from copies made at ``old_world`` ranks (0: its own world size). Either
+        way the copies of every other world size go once this shape's are safe: after a resize the old shape's,
+        after a restore at this size any other shape's whose copies no rank could restore from (``resize.py``)."""
+        self.old_world, self.start_step, self.others = old_world, version, True
 
     def after_commit(self, step: int, slots: Slots | None, copied: int) -> None:
         """After the commit of ``step``: ``copied`` is the newest version of this rank that survives its node (its
         replicated version; its last commit where it has no holders)."""
-        if self.old_world:
+        if self.others:
             self._drop_old_world(copied)
         asked = slots.drain()[0] if slots is not None else 0.0  # None: its daemon was lost just now
         if asked and asked != self._given_up:
@@ -59,11 +62,13 @@ class ShapeWatch:
                 daemon = self.daemon()
                 worlds = sorted({s.shard.world_size for s in daemon.inventory(job.job).shards} - {job.world})
                 n = sum(daemon.drop(job.job, -1, w, only_world=True) for w in worlds)
-                log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size(s) %s from "
-                         "node %s's daemon", job.rank, job.world, n, worlds, job.topology.node_id)
+                if worlds:
+                    log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size(s) %s "
+                             "from node %s's daemon", job.rank, job.world, n, worlds, job.topology.node_id)
             except ReplicaError as e:
-                log.warning("rank %d: could not drop the copies of world size %d: %s", job.rank, self.old_world, e)
-        self.old_world = 0
+                log.warning("rank %d: could not drop the copies of world sizes other than %d: %s", job.rank,
+                            job.world, e)
+        self.old_world, self.others = 0, False
 
     def _stop_for_drain(self, step: int, asked: float, slots: Slots) -> None:
         """This node is being drained: stay at this step, which no rank can pass without this one, until the daemon

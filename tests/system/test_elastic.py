@@ -137,30 +137,45 @@ def test_ddp_resizes_refuse_a_per_rank_extra_follow_the_persistent_tier_and_grow
     print("ddp", [(s["from_world"], s["world"], s["v"], s["lost"]) for s in (shrink, from_disk)])
 
 
-def test_a_node_lost_right_after_a_resize_resumes_from_the_older_shape_every_rank_can_restore(tmp_path):
+@pytest.mark.parametrize("relaunch", [1, 4])
+def test_a_node_lost_right_after_a_resize_resumes_from_the_newest_shape_every_rank_can_restore(tmp_path, relaunch):
     """4 ranks (every rank killed after step 6, the daemons live on) -> 2 ranks, resized from the 4 ranks' copies;
     node 1 (rank 1 and its daemon) lost right after its first step at 2, and with it the only copy of that step of
     rank 1 (the one replica dropped here, as if it had not arrived yet). The 2 ranks' copies are the newest seen
-    (step 7) but rank 1 has none: the relaunch at 1 rank resumes from the 4 ranks' copies, still kept, not stops
-    on the newest shape."""
+    (step 7) but rank 1 has none. Relaunched at 1 rank, the job resumes from the 4 ranks' copies, still kept (a
+    resize from the older shape), not stops on the newest; at 4 ranks, from its own shape's copies, and the 2 ranks'
+    copies, which no rank can restore from, go once the 4 ranks' new ones are safe."""
     from ffstate import Config
 
     job = Job(tmp_path, "ddp")
+    address = f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}"
     try:
         job.run(4, 2, 20, "--kill-all-after", "6", ok=False)
         job.run(2, 2, 20, "--kill-node-after", "7", ok=False)
         assert resized(job, 2, 4, 0)["v"] == 6  # from every rank's slots
-        with Client(f"127.0.0.1:{job.env['FFSTATE_BASE_PORT']}", job.env["FFSTATE_TOKEN"]) as node0:
+        with Client(address, job.env["FFSTATE_TOKEN"]) as node0:
             node0.drop(job.job, 1, 2)  # rank 1's step 7 at 2 ranks: now nowhere
             held = {(s.shard.world_size, s.shard.rank): max(s.versions, default=0)
                     for s in node0.inventory(job.job).shards}
         assert held.get((2, 0)) == 7 and (2, 1) not in held, held
         # the 4 ranks' copies are dropped only once every rank at 2 has a replicated version past v*: not yet
         assert all(held.get((4, r), 0) >= 6 - Config().max_lag for r in range(4)), held
-        proc = job.run(1, 1, 10)
-        assert "the copies made at world size 2" in proc.stdout + proc.stderr  # the log says which shape gave nothing
-        older = resized(job, 1, 4, Config().max_lag + 1)  # node 1's ranks from their replicas, counted from step 7
-        assert 6 - Config().max_lag <= older["v"] <= 6, older
+        proc = job.run(relaunch, relaunch // 2 or 1, 12, "--kill-all-after", "12", ok=False)
+        text = proc.stdout + proc.stderr
+        assert "the copies made at world size 2 (seen up to step 7) give no version past" in text, text[-3000:]
+        events = [json.loads(line) for line in (tmp_path / f"ffstate-{job.job}" / "events.jsonl").read_text()
+                  .splitlines()]
+        restored = [e for e in events if e["event"] == "restored" and e.get("world") == relaunch]
+        if relaunch == 1:
+            older = resized(job, 1, 4, Config().max_lag + 1)  # node 1's ranks from their replicas, counted from 7
+            assert 6 - Config().max_lag <= older["v"] <= 6, older
+        else:
+            assert len(restored) == 4 and not any(e.get("from_world") for e in restored), restored
+            assert {e["version"] for e in restored} <= set(range(6 - Config().max_lag, 7)), restored
+            assert all(e["steps_lost"] == 7 - e["version"] for e in restored), restored  # counted from step 7
+        with Client(address, job.env["FFSTATE_TOKEN"]) as node0:
+            shapes = {s.shard.world_size for s in node0.inventory(job.job).shards}
+        assert shapes == {relaunch}, shapes  # both older shapes' copies went once the new ones were safe
     finally:
         job.stop_daemons()
 
