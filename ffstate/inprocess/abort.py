@@ -81,7 +81,10 @@ class GroupAbort(Abort):
         self._sockets = dict(sockets)
 
     def __call__(self, state: Any) -> Any:
-        if self._unwind is not None:
+        if self._unwind is not None and dist.is_available() and dist.is_initialized():
+            # A group exists: its collectives are what a survivor may be stuck in. Without one (a rank that died
+            # while the next entry's group was being made, every other one inside gloo's setup, which no abort
+            # ends; or after the function returned and destroyed its group) none is armed.
             self._unwind.aborted()
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return self._nccl(state)

@@ -9,8 +9,10 @@ a work inside a collective ffstate does not issue (DDP's bucket rebuild or const
 ``all_reduce``) waits out the group's timeout, 30 minutes, and the whole job with it: every other rank waits in the
 engine's barrier for this one.
 
-``UnwindDeadline`` makes that wait a bounded one. The abort arms it (``aborted``); the engine's ``finalize``, on the
-training thread once it left the step, disarms it (``unwound``). A thread still inside after ``grace`` seconds is
+``UnwindDeadline`` makes that wait a bounded one. The abort of a process group arms it (``aborted``; not where no
+group exists: a rank lost while the next entry's group was being made holds every other one in gloo's setup, and
+a deadline there would end every survivor); the engine's ``finalize``, on the training thread once it left the
+step, disarms it (``unwound``). A thread still inside after ``grace`` seconds is
 not coming back: the process writes where its threads are to its standard error and SIGKILLs itself, which the
 engine's monitor process reports as a death, as it would any other: the job restarts without this process (a spare
 takes its rank, or the job goes on smaller where ``Config.min_nodes`` allows, as after any rank's death).
@@ -31,7 +33,9 @@ from typing import Any
 
 from nvidia_resiliency_ext import inprocess
 
-GRACE = 120.0  # seconds: far above any step's unwinding, far below gloo's 30-minute timeout
+# Seconds: past ffstate's own longest bounded wait on the training thread (a restore's fetch from a holder, 300 s;
+# a gRPC call holds the engine's exception until it returns), a third of gloo's 30-minute timeout.
+GRACE = 600.0
 
 
 class UnwindDeadline:

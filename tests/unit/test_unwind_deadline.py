@@ -19,24 +19,28 @@ def child(body: str, timeout: float = 90) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_thread_still_in_its_step_after_the_grace_of_an_abort_ends_the_process_with_where_it_was():
-    done = child("""
+def test_a_thread_still_in_its_step_after_the_grace_of_an_abort_ends_the_process_with_where_it_was(tmp_path):
+    done = child(f"""
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
         deadline = UnwindDeadline(1.0, what="rank 9 (process 11, iteration 2)")
-        GroupAbort(datetime.timedelta(seconds=5), unwind=deadline)(None)  # no process group here: it only arms
-        time.sleep(120)  # line 7 of the child: inside C, where the engine's restart is not delivered
+        GroupAbort(datetime.timedelta(seconds=5), unwind=deadline)(None)  # the group's abort arms it
+        time.sleep(120)  # line 9 of the child: inside C, where the engine's restart is not delivered
         print("came back")
     """)
     assert done.returncode == -9, (done.returncode, done.stderr[-2000:])
     assert "came back" not in done.stdout
     assert ("ffstate.inprocess: rank 9 (process 11, iteration 2): the training thread is still in its step 1 s after "
-            "its process group was aborted (innermost Python frame: <string>:7 in <module>)") in done.stderr
+            "its process group was aborted (innermost Python frame: <string>:9 in <module>)") in done.stderr
     assert "Current thread" in done.stderr or "Thread 0x" in done.stderr  # every thread's stack follows
 
 
-def test_a_thread_that_came_out_in_time_disarms_it_through_the_engine_s_finalize_and_the_process_goes_on():
+def test_without_a_group_none_is_armed_and_a_thread_that_came_out_in_time_disarms_it_through_finalize():
     done = child("""
         deadline = UnwindDeadline(1.0)
-        GroupAbort(datetime.timedelta(seconds=5), unwind=deadline)(None)
+        GroupAbort(datetime.timedelta(seconds=5), unwind=deadline)(None)  # no process group: nothing to be stuck in
+        time.sleep(4)  # four times the grace: not armed
+        deadline.aborted()
         deadline.aborted()  # a second abort while armed keeps the first deadline
         time.sleep(0.2)
         assert Unwound(deadline)("state") == "state"  # the engine's finalize, on the training thread
