@@ -26,7 +26,7 @@ class ShapeWatch:
         self.old_world = 0  # after a resize: the old world size, until its copies are dropped
         self.others = False  # after any restore: other shapes' copies may be left, until dropped
         self.start_step = 0
-        self._marked = False  # after a resize: this rank has a copy of a version past v*
+        self._marked = False  # after a restore: this rank has a copy of a version past v*
         self._given_up = 0.0  # the drain request this rank stopped for and then gave up (Config.drain_hold)
 
     def resized(self, old_world: int, version: int) -> None:
@@ -48,7 +48,7 @@ class ShapeWatch:
         """The old world's copies are kept until every rank of this one has a copy of a version past v* (a failure
         until then resizes from them again); then each node's first rank drops from its daemon the copies of every
         world size but this one (not only the last: 4 -> 2, a failure before 2's copies were safe, then 2 -> 3,
-        leaves 4's copies too)."""
+        leaves 4's copies too; after a restore at this size, a newer shape's that no rank could restore from)."""
         job = self.job
         if not self._marked and copied > self.start_step:
             job.mark("resized-copy")

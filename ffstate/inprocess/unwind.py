@@ -12,10 +12,10 @@ engine's barrier for this one.
 ``UnwindDeadline`` makes that wait a bounded one. The abort of a process group arms it (``aborted``; not where no
 group exists: a rank lost while the next entry's group was being made holds every other one in gloo's setup, and
 a deadline there would end every survivor); the engine's ``finalize``, on the training thread once it left the
-step, disarms it (``unwound``). A thread still inside after ``grace`` seconds is
-not coming back: the process writes where its threads are to its standard error and SIGKILLs itself, which the
-engine's monitor process reports as a death, as it would any other: the job restarts without this process (a spare
-takes its rank, or the job goes on smaller where ``Config.min_nodes`` allows, as after any rank's death).
+step, disarms it (``unwound``). A thread still inside after ``grace`` seconds is not coming back: the process
+writes where its threads are to its standard error and SIGKILLs itself, which the engine's monitor process reports
+as a death, as it would any other: the job restarts without this process (a spare takes its rank, or the job goes
+on smaller where ``Config.min_nodes`` allows, as after any rank's death).
 
 The report is written straight to file descriptor 2 (no ``logging``): a thread stuck this way may hold a handler's
 lock (``locks.py``), and the report must not wait for it.
