@@ -12,15 +12,16 @@ S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself
 restarted entry, before its first step (two failures in a row). ``--stuck P:S``: process P, right after committing
 step S of its first entry, waits an hour inside C (``time.sleep``), where the engine's restart cannot reach it: what
 a survivor stuck in a wait the abort did not end looks like (``ffstate/inprocess/unwind.py``; ``--unwind-grace``,
-the engine's bound on it). ``--step-seconds``: each step sleeps to take at least this long (a job whose steps are
-not all Python on 2 cores). Every process appends to OUT/progress.jsonl: ``{"kill": P}`` before it dies; ``{"stuck":
-P}`` before it waits; ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process began,
-its process group is up, ffstate restored it); ``{"process", "event": "left", "attempt"}`` once the in-process
-engine returned (``attempt``: ``FFSTATE_ATTEMPT`` then, None once the engine put its environment back);
-``{"process", "rank", "step", "iteration"}`` at every commit; each with its wall ``time``. At the end each rank
-writes OUT/final-rank<R>.pt. ``--dump-steps``: each rank of the first entry writes its state at those steps
-(OUT/step<S>-rank<R>.pt), and every rank of a later entry the state it was restored to
-(OUT/restored-it<I>-rank<R>.pt): what a shrink's restore is checked against.
+the engine's bound on it); a process killed at that step dies only once P is inside that wait (OUT/stuck).
+``--step-seconds``: each step sleeps to take at least this long (a job whose steps are not all Python on 2 cores).
+Every process appends to OUT/progress.jsonl: ``{"kill": P}`` before it dies; ``{"stuck": P}`` before it waits;
+``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process began, its process group is up,
+ffstate restored it); ``{"process", "event": "left", "attempt"}`` once the in-process engine returned (``attempt``:
+``FFSTATE_ATTEMPT`` then, None once the engine put its environment back); ``{"process", "rank", "step",
+"iteration"}`` at every commit; each with its wall ``time``. At the end each rank writes OUT/final-rank<R>.pt.
+``--dump-steps``: each rank of the first entry writes its state at those steps (OUT/step<S>-rank<R>.pt), and every
+rank of a later entry the state it was restored to (OUT/restored-it<I>-rank<R>.pt): what a shrink's restore is
+checked against.
 """
 
 import time
@@ -117,9 +118,14 @@ def main() -> None:
                 if step + 1 in dumps and not iteration:
                     dump(a.out / f"step{step + 1}-rank{rank}.pt")
                 if (process, step + 1) in kills:
+                    if stuck is not None and stuck[1] == step + 1:  # dies once the stuck one is inside its wait
+                        waited = time.monotonic() + 120
+                        while not (a.out / "stuck").exists() and time.monotonic() < waited:
+                            time.sleep(0.01)
                     die(f"killed-{process}-{step + 1}")
                 if (process, step + 1) == stuck and not iteration:
                     note({"stuck": process})
+                    (a.out / "stuck").touch()
                     time.sleep(3600)  # in C: the engine's restart is not delivered until it returns
         dump(a.out / f"final-rank{rank}.pt")
         return rank
