@@ -121,24 +121,12 @@ class Job:
         return [json.loads(v) for v in self.store.multi_get(keys)]
 
     def wait(self, keys: list[str], timeout: float, what: str) -> None:
-        """Waits until every one of ``keys`` is in the store, at most ``timeout`` seconds, in slices growing from 1
-        to 30 s: a wait inside the store's C++ holds an exception raised into this thread from another (the
-        in-process engine's restart, after a failure elsewhere) until it returns, and every survivor with it.
+        """``wait_for`` on the job's store, as this rank.
 
         Raises:
             DistStoreError: some keys were still missing at the timeout (the message names them).
         """
-        deadline, piece = time.monotonic() + timeout, 1.0
-        while True:
-            try:
-                self.store.wait(keys, timedelta(max(0.001, min(piece, deadline - time.monotonic()))))
-                return
-            except dist.DistStoreError:
-                if time.monotonic() >= deadline:
-                    missing = [k.rsplit("/", 1)[-1] for k in keys if not self.store.check([k])]
-                    raise dist.DistStoreError(f"rank {self.rank}: {what}: {len(missing)} of {len(keys)} not in the "
-                                              f"job's store after {timeout:.0f} s: {missing[:8]}") from None
-                piece = min(piece * 2, 30.0)
+        wait_for(self.store, keys, timeout, f"rank {self.rank}: {what}")
 
     def barrier(self, name: str) -> int:
         """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``; returns how many had
@@ -266,3 +254,25 @@ def warn_about_torchrun_restarts() -> None:
         log.warning("torchrun without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: after a restart, gloo's "
                     "init_process_group hangs or fails ('Gloo connectFullMesh failed', pytorch/pytorch#135712). "
                     "Launch as: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...")
+
+
+def wait_for(store: dist.Store, keys: list[str], timeout: float, what: str, longest: float = 30.0) -> None:
+    """Waits until every one of ``keys`` is in ``store``, at most ``timeout`` seconds, in slices growing from 1 s
+    to ``longest``: a wait inside the store's C++ holds an exception raised into this thread from another (the
+    in-process engine's restart, after a failure elsewhere) until it returns, and every survivor with it (torch logs
+    a warning for each slice that ends empty, so they grow where a long wait is no failure).
+
+    Raises:
+        DistStoreError: some keys were still missing at the timeout (the message, ``what`` first, names them).
+    """
+    deadline, piece = time.monotonic() + timeout, min(1.0, longest)
+    while True:
+        try:
+            store.wait(keys, timedelta(max(0.001, min(piece, deadline - time.monotonic()))))
+            return
+        except dist.DistStoreError:
+            if time.monotonic() >= deadline:
+                missing = [k.rsplit("/", 1)[-1] for k in keys if not store.check([k])]
+                raise dist.DistStoreError(f"{what}: {len(missing)} of {len(keys)} not in the job's store after "
+                                          f"{timeout:.0f} s: {missing[:8]}") from None
+            piece = min(piece * 2, longest)

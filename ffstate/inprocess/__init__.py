@@ -12,8 +12,9 @@ rank's place, and ffstate restores every rank at v*.
             ...
 
 ``assignment`` (which process holds which rank: pure code), ``abort`` (stopping a gloo group), ``store`` (the
-job's stores, outside every rank), ``locks`` (logging locks a restart's asynchronous exception left held),
-``engine`` (the extension's wrapper, configured).
+job's stores, outside every rank), ``group`` (each entry's process group, once every rank has arrived), ``locks``
+(logging locks a restart's asynchronous exception left held), ``unwind`` (the deadline after an abort), ``engine``
+(the extension's wrapper, configured).
 """
 
 try:

@@ -83,8 +83,9 @@ class GroupAbort(Abort):
     def __call__(self, state: Any) -> Any:
         if self._unwind is not None and dist.is_available() and dist.is_initialized():
             # A group exists: its collectives are what a survivor may be stuck in. Without one (a rank that died
-            # while the next entry's group was being made, every other one inside gloo's setup, which no abort
-            # ends; or after the function returned and destroyed its group) none is armed.
+            # before the next entry's group was made: the others wait for its arrival in Python, where the restart
+            # lands, ffstate/inprocess/group.py; or after the function returned and destroyed its group) none is
+            # armed.
             self._unwind.aborted()
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
             return self._nccl(state)

@@ -1,12 +1,13 @@
 """Running a training function under NVIDIA's resiliency extension (``nvidia_resiliency_ext.inprocess.Wrapper``),
 with what ffstate adds: a rank assignment that keeps ranks on their nodes (``assignment.py``), a gloo abort that
 works (``abort.py``), stores outside every rank (``store.py``), and a fresh process group on a fresh store prefix
-each time the function is entered. The extension detects a dead rank (its monitor processes), raises into every
-surviving rank's training thread, runs the abort, and calls the function again in the same process; spares wait
-inside it until they are given a rank. ffstate's restore at entry does the rest: every rank resumes at v*, the
-survivors and a same-node spare from their node's slots, a spare node from the replicas. With no spare left for a
-node and ``Config.min_nodes`` set, the node leaves and the others go on at the smaller world size: the entry's
-restore is then the resize of ``ffstate/elastic/`` (every rank's copy of v*, resharded as DCP would).
+each time the function is entered, made once every rank has arrived (``group.py``). The extension detects a dead
+rank (its monitor processes), raises into every surviving rank's training thread, runs the abort, and calls the
+function again in the same process; spares wait inside it until they are given a rank. ffstate's restore at entry
+does the rest: every rank resumes at v*, the survivors and a same-node spare from their node's slots, a spare node
+from the replicas. With no spare left for a node and ``Config.min_nodes`` set, the node leaves and the others go on
+at the smaller world size: the entry's restore is then the resize of ``ffstate/elastic/`` (every rank's copy of v*,
+resharded as DCP would).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from ffstate import inflight, placement
 from ffstate.config import Config
 from ffstate.daemon import running
 from ffstate.errors import FFStateError
-from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
+from ffstate.inprocess.abort import GroupAbort
 from ffstate.inprocess.assignment import Assignment, Layout
+from ffstate.inprocess.group import PG_TIMEOUT, make_group
 from ffstate.inprocess.locks import ReleaseLoggingLocks
 from ffstate.inprocess.store import START_WAIT, ensure, heartbeat, wait_listening
 from ffstate.inprocess.unwind import GRACE, UnwindDeadline, Unwound
@@ -52,7 +54,6 @@ WRAPPER = dict(monitor_thread_interval=1_000 * _MS, monitor_process_interval=50 
                progress_watchdog_interval=100 * _MS, heartbeat_interval=500 * _MS, heartbeat_timeout=10_000 * _MS,
                soft_timeout=3_600_000 * _MS, hard_timeout=3_660_000 * _MS, barrier_timeout=3_720_000 * _MS,
                completion_timeout=3_720_000 * _MS, termination_grace_time=1_000 * _MS)
-PG_TIMEOUT = datetime.timedelta(minutes=30)  # a collective's own timeout: the abort, not this, ends a failed one
 
 
 @dataclass(frozen=True)
@@ -206,10 +207,8 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
             os.environ["FFSTATE_SIMULATED_NODES"] = str(world // per)
         start = time.perf_counter()
         inflight.reset()  # this entry's collectives may be waited on again
-        before = open_sockets()
-        dist.init_process_group(backend, store=dist.PrefixStore(f"ffstate-attempt-{it}", app_store), rank=rank,
-                                world_size=world, timeout=PG_TIMEOUT)
-        abort.opened(new_sockets(before))
+        # Once every rank has arrived, in a wait the engine's restart reaches (ffstate/inprocess/group.py).
+        abort.opened(make_group(backend, app_store, it, rank, world))
         failures = tuple(assignment.assignment.failures)
         if it:
             log.warning("rank %d (process %d): restarted in this process (iteration %d; processes lost so far: %s); "
