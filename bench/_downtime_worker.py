@@ -5,7 +5,7 @@ worker after a failure) or in the mode where survivors stay in their processes (
 
     python -m ffstate.bench._downtime_worker OUT STEPS --mode torchrun|inprocess [--kill PROCESS:STEP ...]
         [--kill-after-restore PROCESS] [--step-seconds S] [--dump-steps S,...] [--stuck PROCESS:STEP]
-        [--unwind-grace SECONDS]
+        [--unwind-grace SECONDS] [--kill-at-group PROCESS:ITERATION]
 
 ``--kill P:S``: process P (its RANK at launch; under torchrun the rank) SIGKILLs itself right after committing step
 S, once (a marker in OUT). ``--kill-after-restore P``: process P SIGKILLs itself right after its first restore in a
@@ -13,6 +13,9 @@ restarted entry, before its first step (two failures in a row). ``--stuck P:S``:
 step S of its first entry, waits an hour inside C (``time.sleep``), where the engine's restart cannot reach it: what
 a survivor stuck in a wait the abort did not end looks like (``ffstate/inprocess/unwind.py``; ``--unwind-grace``,
 the engine's bound on it); a process killed at that step dies only once P is inside that wait (OUT/stuck).
+``--kill-at-group P:I``: as process P comes to make the process group of the engine's iteration I, before it says it
+has arrived (``ffstate/inprocess/group.py``), it SIGKILLs its engine's monitor process and then itself, as a machine's
+loss takes both: a rank lost while the others make the next group, found only by its siblings' heartbeats.
 ``--step-seconds``: each step sleeps to take at least this long (a job whose steps are not all Python on 2 cores).
 Every process appends to OUT/progress.jsonl: ``{"kill": P}`` before it dies; ``{"stuck": P}`` before it waits;
 ``{"process", "event": "started" | "group" | "restored", "iteration"}`` (the process began, its process group is up,
@@ -34,6 +37,7 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -55,6 +59,7 @@ def main() -> None:
     p.add_argument("--kill-after-restore", type=int, default=-1)
     p.add_argument("--stuck", default="")
     p.add_argument("--unwind-grace", type=float, default=None)
+    p.add_argument("--kill-at-group", default="")
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--dump-steps", default="")
     a = p.parse_args()
@@ -135,7 +140,22 @@ def main() -> None:
         train(dist.get_rank(), dist.get_world_size(), iteration)
         dist.destroy_process_group()
         return
-    from ffstate.inprocess import restartable
+    from ffstate.daemon import running
+    from ffstate.inprocess import group, restartable
+    from ffstate.job import job_id
+
+    if a.kill_at_group:
+        who, at_iteration = (int(x) for x in a.kill_at_group.split(":"))
+        arrive = group.arrive
+
+        def arrive_or_die(*args, **kwargs):
+            if process == who and int(os.environ["FFSTATE_ATTEMPT"]) == at_iteration:
+                log = running.run_dir(job_id(ffstate.Config.from_env())) / f"engine-{process}.log"
+                os.kill(int(re.search(r"daemon_pid=(\d+)", log.read_text()).group(1)), signal.SIGKILL)  # its monitor
+                die(f"killed-at-group-{at_iteration}")
+            return arrive(*args, **kwargs)
+
+        group.arrive = arrive_or_die
 
     @restartable(**({} if a.unwind_grace is None else {"unwind_grace": a.unwind_grace}))
     def attempt(at):

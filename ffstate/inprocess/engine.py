@@ -29,6 +29,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
 from nvidia_resiliency_ext.inprocess.state import Mode
+from nvidia_resiliency_ext.inprocess.store import TCPStore
 
 from ffstate import inflight, placement
 from ffstate.config import Config
@@ -95,6 +96,17 @@ class NodeSpares(RankAssignment):
                                         active_world_size=a.world)
         ctx.terminated_ranks = set()
         return ctx
+
+
+class EngineStore(TCPStore):
+    """The engine's store, with the ranks of its termination barrier taken as numbers. The extension (0.4.1, and its
+    main branch in 2026-08) passes them there as the store's bytes when its siblings' heartbeat check finds a rank
+    whose monitor process reported nothing (one lost with its monitor, as a machine's loss takes both, or just as it
+    entered the function): the barrier records ``b'4'``, and every process's exit then fails to parse it
+    (``ValueError``) and hangs."""
+
+    def termination_barrier(self, ranks, *args, **kwargs):
+        return super().termination_barrier([int(r) for r in ranks], *args, **kwargs)
 
 
 def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None,
@@ -192,7 +204,8 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     gc.collect()
     gc.freeze()
     with _without("LOCAL_RANK"):  # the extension >= 0.5 adds GPU health checks where it is set; none on a CPU
-        wrapper = inprocess.Wrapper(store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
+        wrapper = inprocess.Wrapper(store_factory=EngineStore,
+                                    store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
                                     abort=abort, rank_assignment=assignment, health_check=None,
                                     finalize=inprocess.Compose(ReleaseLoggingLocks(), Unwound(deadline)),
                                     monitor_process_logfile=str(run_dir / "engine-{rank}.log"), **WRAPPER)

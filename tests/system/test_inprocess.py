@@ -109,6 +109,8 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
     deadline = time.monotonic() + timeout
     try:
         return [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:  # where each live process is, before they are killed
+        raise AssertionError(f"the job did not end within {timeout:.0f} s" + evidence(out, procs, stuck=True)) from None
     finally:
         for p in procs:
             if p.poll() is None:
@@ -216,6 +218,33 @@ def test_a_survivor_stuck_in_c_after_the_abort_ends_itself_and_the_job_goes_on_b
     events = [json.loads(line) for line in (out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "events.jsonl").read_text()
               .splitlines()]
     restored = [e for e in events if e["event"] == "restored" and e["attempt"] == 1]
+    assert sorted(e["rank"] for e in restored) == [0, 1, 2, 3] and {e["version"] for e in restored} == {5}, restored
+
+
+def test_a_rank_lost_while_the_next_group_is_made_is_replaced_and_the_job_ends_bit_identical(tmp_path, reference):
+    """Rank 1 dies after step 5; in the restart, rank 3 (process 4) dies with its engine's monitor process (as a
+    machine's loss takes both) as it comes to make the new process group, before it has arrived. Only its siblings'
+    heartbeats find it, after the engine's heartbeat timeout. Meanwhile the other ranks wait for it in Python
+    (``ffstate/inprocess/group.py``), where the engine's next restart lands: without that they were inside gloo's
+    setup, which waits in C++ for the group's timeout (30 minutes) and which no abort ends. And every process leaves
+    the engine at the end (its heartbeat check wrote the lost rank into the termination barrier as bytes, which every
+    exit failed to parse: ``engine.EngineStore``). Node 1's spare takes rank 3, and the job ends bit-identical."""
+    out = tmp_path
+    layout = {**LAYOUT, "FFSTATE_SPARE_NODES": "0"}  # node 0: processes 0, 1, spare 2; node 1: 3, 4, spare 5
+    procs, env = launch(out, ["1:5"], layout=layout, processes=6, extra=("--kill-at-group", "4:1"))
+    codes = finish(procs, out, env, timeout=300)
+    assert codes == [0, -9, 0, 0, -9, 0], (codes, evidence(out, procs))
+    for got, want in zip(finals(out), reference):
+        assert_bitwise_equal(got, want)
+    rows = progress(out)
+    assert [r["kill"] for r in rows if "kill" in r] == [1, 4]
+    assert not any(r.get("process") == 4 and r.get("iteration") == 1 for r in rows)  # it never made the group
+    last = {r["rank"]: r["process"] for r in rows if r.get("step") == STEPS}
+    assert last == {0: 0, 1: 2, 2: 3, 3: 5}, last
+    events = [json.loads(line) for line in (out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "events.jsonl").read_text()
+              .splitlines()]
+    restored = [e for e in events if e["event"] == "restored"]
+    assert {e["attempt"] for e in restored} == {2}, restored  # iteration 1 never got its group
     assert sorted(e["rank"] for e in restored) == [0, 1, 2, 3] and {e["version"] for e in restored} == {5}, restored
 
 
