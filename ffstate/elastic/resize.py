@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,17 +51,17 @@ def restore(job: Job, daemon: Client, old_worlds: list[int], disk_dir: Path | No
     """
     why = []
     for old_world in old_worlds:
-        v, last, available, lookups, daemons, lost = _survey(job, daemon, old_world, disk_dir)
-        if v > v_here:
+        found = _survey(job, daemon, old_world, disk_dir)
+        if found.v > v_here:
             log.info("rank %d: the job's newest copies every rank can restore were made at world size %d (step %d; "
-                     "seen up to %d), this run has %d: resuming from them, resharded", job.rank, old_world, v, last,
-                     job.world)
-            return _resume(job, old_world, disk_dir, v, max(last, seen), available, lookups, daemons, load_states,
-                           entry)
-        why.append(f"world size {old_world}: {'; '.join(lost) or 'their versions have none in common'}" if not v else
-                   f"world size {old_world}: step {v}, not past step {v_here} of world size {job.world}")
+                     "seen up to %d), this run has %d: resuming from them, resharded", job.rank, old_world, found.v,
+                     found.last, job.world)
+            return _resume(job, old_world, disk_dir, found, max(found.last, seen), load_states, entry)
+        why.append(f"world size {old_world}: {'; '.join(found.lost) or 'their versions have none in common'}"
+                   if not found.v else f"world size {old_world}: step {found.v}, not past step {v_here} of world size "
+                   f"{job.world}")
         log.warning("rank %d: the copies made at world size %d (seen up to step %d) give no version past %d that "
-                    "every old rank has (%s)%s", job.rank, old_world, last, v_here, why[-1],
+                    "every old rank has (%s)%s", job.rank, old_world, found.last, v_here, why[-1],
                     "; trying the next older shape" if old_world != old_worlds[-1] else "")
     if v_here:
         return None
@@ -70,7 +71,22 @@ def restore(job: Job, daemon: Client, old_worlds: list[int], disk_dir: Path | No
                        "or under a new job id to begin from scratch")
 
 
-def _survey(job: Job, daemon: Client, old_world: int, disk_dir: Path | None) -> tuple:
+@dataclass
+class Survey:
+    """The copies made at one old world size: ``v`` (their v*, agreed by every rank; 0: none every old rank has),
+    ``last`` (the newest step seen among them), and what fetching them needs: each old rank's ``available`` copies,
+    this node's slot ``lookups`` (None where its slots do not hold the rank), the job's ``daemons`` by address; and
+    why no version could be agreed (``lost``: the old ranks without any copy, or the refusal)."""
+
+    v: int
+    last: int
+    available: dict
+    lookups: dict
+    daemons: dict[str, Client]
+    lost: list[str]
+
+
+def _survey(job: Job, daemon: Client, old_world: int, disk_dir: Path | None) -> Survey:
     """v* over the copies made at ``old_world`` (agreed by every rank), and what fetching them needs."""
     ranks = list(range(old_world))
     addresses = job.daemon_addresses(list(range(job.topology.num_nodes))) if job.store is not None else []
@@ -92,17 +108,17 @@ def _survey(job: Job, daemon: Client, old_world: int, disk_dir: Path | None) -> 
                                live=restorable(available, live_only=True),
                                check=lambda vs: checked(disk_dir, vs, ranks), name=f"resize-versions-{old_world}")
     except FFStateError as e:  # copies, but no version every old rank has: this shape cannot be resumed from
-        return 0, seen, available, lookups, daemons, lost or [str(e)]
-    return v, last, available, lookups, daemons, lost
+        return Survey(0, seen, available, lookups, daemons, lost or [str(e)])
+    return Survey(v, last, available, lookups, daemons, lost)
 
 
-def _resume(job: Job, old_world: int, disk_dir: Path | None, v: int, last: int, available: dict, lookups: dict,
-            daemons: dict, load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored:
-    me, ranks = job.rank, list(range(old_world))
+def _resume(job: Job, old_world: int, disk_dir: Path | None, found: Survey, last: int,
+            load_states: Callable[[dict[int, Any], list[int]], None], entry: float) -> Restored:
+    me, ranks, v, lookups = job.rank, list(range(old_world)), found.v, found.lookups
     if disk_dir is not None:
         drop_newer(job, disk_dir, v)
     start = time.perf_counter()
-    shards = fetch_ranks(job.job, old_world, v, available, lookups, daemons)
+    shards = fetch_ranks(job.job, old_world, v, found.available, lookups, found.daemons)
     fetched = time.perf_counter() - start
     load_states({r: got[0] for r, got in shards.items()}, sorted(r for r in ranks if lookups[r] is not None))
     sources = {r: got[1] for r, got in sorted(shards.items())}

@@ -44,7 +44,7 @@ class UnwindDeadline:
 
     def __init__(self, grace: float = GRACE, what: str = "") -> None:
         self.grace = grace
-        self.what = what  # who this process is, for the report ("rank 2 (process 5)")
+        self.what = what  # who this process is, for the report ("rank 2 (process 5, iteration 1)")
         self._lock = threading.Lock()
         self._armed: threading.Event | None = None  # the current abort's: set once the thread unwound
 
