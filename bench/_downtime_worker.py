@@ -150,10 +150,12 @@ def main() -> None:
 
         def arrive_or_die(*args, **kwargs):
             if process == who and int(os.environ["FFSTATE_ATTEMPT"]) == at_iteration:
-                log = running.run_dir(job_id(ffstate.Config.from_env())) / f"engine-{process}.log"
-                os.kill(int(re.search(r"daemon_pid=(\d+)", log.read_text()).group(1)), signal.SIGKILL)  # its monitor
-                die(f"killed-at-group-{at_iteration}")
+                die_once(a.out / f"killed-at-group-{at_iteration}", lambda: (note({"kill": process}), kill_monitor()))
             return arrive(*args, **kwargs)
+
+        def kill_monitor() -> None:  # the engine's monitor process of this one: its log names it
+            log = running.run_dir(job_id(ffstate.Config.from_env())) / f"engine-{process}.log"
+            os.kill(int(re.search(r"daemon_pid=(\d+)", log.read_text()).group(1)), signal.SIGKILL)
 
         group.arrive = arrive_or_die
 

@@ -13,11 +13,14 @@ own timeout is then set for its collectives.
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch.distributed as dist
 
 from ffstate.inprocess.abort import new_sockets, open_sockets
 from ffstate.job import wait_for
+
+log = logging.getLogger("ffstate.inprocess")
 
 PG_TIMEOUT = datetime.timedelta(minutes=30)  # a collective's own timeout: the abort, not this, ends a failed one
 # The group's setup once every rank has arrived: each connects to every other (gloo's full mesh). Generous for that,
@@ -35,6 +38,10 @@ def make_group(backend: str, store: dist.Store, iteration: int, rank: int, world
     Raises:
         DistStoreError: a rank did not arrive within ``PG_TIMEOUT`` (the message names it); or gloo's setup failed.
     """
+    if dist.is_initialized():  # an earlier entry's, made just as its restart came: the abort did not know it yet
+        log.warning("rank %d: the process group of an earlier entry is still here (its restart came as it was made): "
+                    "destroyed before this entry's", rank)
+        dist.destroy_process_group()
     prefixed = dist.PrefixStore(f"ffstate-attempt-{iteration}", store)
     arrive(prefixed, rank, world, PG_TIMEOUT.total_seconds())
     # torch's own way to change a group's timeout after its setup (a private function in 2.13; gloo's collectives

@@ -10,8 +10,8 @@ a work inside a collective ffstate does not issue (DDP's bucket rebuild or const
 engine's barrier for this one.
 
 ``UnwindDeadline`` makes that wait a bounded one. The abort of a process group arms it (``aborted``; not where no
-group exists: a rank lost while the next entry's group was being made holds every other one in gloo's setup, and
-a deadline there would end every survivor); the engine's ``finalize``, on the training thread once it left the
+group exists: before the next entry's group is made the ranks wait for each other in Python, where the restart
+lands, ``group.py``); the engine's ``finalize``, on the training thread once it left the
 step, disarms it (``unwound``). A thread still inside after ``grace`` seconds is not coming back: the process
 writes where its threads are to its standard error and SIGKILLs itself, which the engine's monitor process reports
 as a death, as it would any other: the job restarts without this process (a spare takes its rank, or the job goes

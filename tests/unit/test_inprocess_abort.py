@@ -5,8 +5,10 @@ import socket
 
 import pytest
 
-from ffstate import inflight
-from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets
+pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mode's engine "
+                    "(nvidia-resiliency-ext) is not installed")
+from ffstate import inflight  # noqa: E402
+from ffstate.inprocess.abort import GroupAbort, new_sockets, open_sockets  # noqa: E402
 
 
 @pytest.fixture
