@@ -3,9 +3,10 @@ restart, bit for bit, mid-epoch included (docs/lightning.md).
 
 What is replicated: the (DDP-wrapped) model, every optimizer and LR scheduler, the precision plugin's state (a
 ``GradScaler``), the fit loop's progress (global step, epoch, batch) with each stateful training loader's position,
-and every rank's own RNG streams. It enters ``ffstate.replicate`` at ``on_fit_start`` (the optimizers exist, the
-model is wrapped), commits after each optimizer step (``on_train_batch_end``, where Lightning's own restart logic
-expects a checkpoint), pauses the watchdog during validation, and leaves at the end of the fit.
+the other callbacks' state (as Lightning's checkpoint keeps it), and every rank's own RNG streams. It enters
+``ffstate.replicate`` at ``on_fit_start`` (the optimizers exist, the model is wrapped), commits after each optimizer
+step (``on_train_batch_end``, where Lightning's own restart logic expects a checkpoint), pauses the watchdog during
+validation, and leaves at the end of the fit.
 
 Lightning's own mid-epoch resume is not bit-exact (its checkpoint keeps rank 0's RNG only, and it makes the resumed
 iterator before the sampler's epoch is set: Lightning issue #21938), so the loaders are put back here instead, in the
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.call import _call_callbacks_load_state_dict as _load_callbacks
+from lightning.pytorch.trainer.call import _call_callbacks_state_dict as _callbacks_state
 
 import ffstate
 from ffstate import capture
@@ -75,6 +78,21 @@ class _Precision:
         self.trainer.precision_plugin.load_state_dict(state)
 
 
+class _Callbacks:
+    """The fit's other callbacks' state (an ``EarlyStopping``'s patience count and best score, a ``ModelCheckpoint``'s
+    best k), as Lightning's own checkpoint keeps it and puts it back: each callback's ``state_dict()`` by its
+    ``state_key``, through Lightning's own calls (a callback with no state, as this one, keeps nothing)."""
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return _callbacks_state(self.trainer)
+
+    def load_state_dict(self, state: dict) -> None:
+        _load_callbacks(self.trainer, {"callbacks": state})
+
+
 class ReplicationCallback(Callback):
     """Replicates a ``Trainer.fit`` with ffstate and restores it after a restart (torchrun's, or the in-process
     engine's). Add it to the Trainer's callbacks; ``config``: ffstate's knobs (default ``Config.from_env()``).
@@ -110,7 +128,8 @@ class ReplicationCallback(Callback):
         if not optimizers:
             raise FFStateError("ReplicationCallback needs the fit's optimizer (configure_optimizers returned none)")
         self._loops = _Loops(trainer)
-        extra = {"loops": self._loops, "precision": _Precision(trainer), "optimizers": optimizers[1:]}
+        extra = {"loops": self._loops, "precision": _Precision(trainer), "optimizers": optimizers[1:],
+                 "callbacks": _Callbacks(trainer)}
         # DDP's shadow step after a restore goes through Lightning's own forward (on_train_batch_start), not a hook
         # on the DDP module: Lightning routes the module's forward to training_step for one call at a time.
         cfg = self.config or Config.from_env()

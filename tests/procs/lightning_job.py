@@ -1,12 +1,14 @@
 """A Lightning fit under torchrun with ffstate's ReplicationCallback (docs/lightning.md's example, made small): a
 little model with dropout, AdamW with a per-step and a per-epoch scheduler, a StatefulDataLoader that Lightning gives
-a DistributedSampler, validation every few batches, DDP over gloo.
+a DistributedSampler, validation every few batches with an EarlyStopping on its loss (patient enough never to stop:
+its state is what is checked), DDP over gloo.
 
     torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/lightning_job.py OUT [--kill-rank R --kill-step S[,S...]]
         [--no-ffstate]
 
 Rank R SIGKILLs itself once (a marker OUT/killed-S) after the optimizer step that makes global step S, for each S. At
-the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' state, and the loop's counters.
+the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' state, and the loop's
+counters; and OUT/callbacks-rank<R>.pt, the EarlyStopping's state.
 """
 
 import argparse
@@ -70,7 +72,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     train = StatefulDataLoader(data(160, 0), batch_size=4, shuffle=False, generator=g)  # Lightning adds the sampler
     val = StatefulDataLoader(data(16, 1), batch_size=4, generator=torch.Generator().manual_seed(2))
-    callbacks = [] if a.no_ffstate else [ReplicationCallback()]
+    early = L.pytorch.callbacks.EarlyStopping(monitor="val_loss", patience=1000)
+    callbacks = [early] if a.no_ffstate else [ReplicationCallback(), early]
     if a.kill_rank >= 0:
         callbacks.append(Kill(a.out, a.kill_rank, [int(s) for s in a.kill_step.split(",")]))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=3, val_check_interval=7,
@@ -82,6 +85,7 @@ def main() -> None:
                 "scheds": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                 "global_step": trainer.global_step, "epoch": loop.epoch_progress.current.processed},
                a.out / f"final-rank{trainer.global_rank}.pt")
+    torch.save(early.state_dict(), a.out / f"callbacks-rank{trainer.global_rank}.pt")
 
 
 if __name__ == "__main__":

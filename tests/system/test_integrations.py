@@ -78,6 +78,10 @@ def test_lightning_restored_at_an_epoch_s_end_then_again_mid_epoch_ends_bit_iden
     assert sorted(p.name for p in (tmp_path / "failing").glob("killed*")) == ["killed-20", "killed-35"]
     assert_same_end(tmp_path / "failing", references("lightning_job"))
     assert [(e["rank"], e["version"]) for e in restores(tmp_path / "failing")] == [(0, 20), (1, 20), (0, 35), (1, 35)]
+    for r in (0, 1):  # the EarlyStopping's best score and patience count, from before the restores too
+        got, want = (torch.load(d / f"callbacks-rank{r}.pt", weights_only=False)
+                     for d in (tmp_path / "failing", references("lightning_job")))
+        assert_bitwise_equal(got, want)
 
 
 def test_powersgd_registered_through_ffstate_keeps_its_state_and_a_rank_killed_ends_bit_identical(tmp_path):
