@@ -2,12 +2,14 @@
 simulated nodes, each with a warm spare, and a spare node of 3 processes; every process launched by hand (no
 torchrun: its agent stops every worker when one dies). One job takes, in order: a rank SIGKILLed (a spare of its
 node takes it, from the node's slots) and another right after that restore (two in a row); an idle spare of the
-spare node killed; then a whole node with its daemon (it moves to the spare node, restored from the replicas). It
-ends bit-identical to the same job without failures, every survivor in the process it started in. The assignment's
-logic alone is checked by property tests in tests/unit/test_inprocess_assignment.py."""
+spare node killed; then a whole node, its processes with the engine's monitors of them and its daemon, as a
+machine's loss takes them (found by the other monitors' heartbeats; it moves to the spare node, restored from the
+replicas). It ends bit-identical to the same job without failures, every survivor in the process it started in.
+The assignment's logic alone is checked by property tests in tests/unit/test_inprocess_assignment.py."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +125,11 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store 127.0.0.1 {env['MASTER_PORT']}$"], check=False)
 
 
+def monitor_pid(run_dir: Path, process: int) -> int:
+    """The pid of the engine's monitor process of ``process`` (its log's first line names it)."""
+    return int(re.search(r"daemon_pid=(\d+)", (run_dir / f"engine-{process}.log").read_text()).group(1))
+
+
 def finals(out: Path, world: int = 4) -> list[dict]:
     return [torch.load(out / f"final-rank{r}.pt", weights_only=False) for r in range(world)]
 
@@ -147,9 +154,11 @@ def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_
         run_dir = out / f"ffstate-{env['FFSTATE_JOB_ID']}"
         daemon = int((run_dir / "daemon-node1.pid").read_text())
         held = {r["rank"]: r["process"] for r in progress(out) if "step" in r}  # the newest holder of each rank
+        monitors = [monitor_pid(run_dir, p) for p in (held[2], held[3])]
         for p in (held[2], held[3]):
-            procs[p].kill()  # node 1's ranks (a spare of it holds rank 3 by now) and its daemon
-        os.kill(daemon, signal.SIGKILL)
+            procs[p].kill()  # node 1's ranks (a spare of it holds rank 3 by now), their engine monitors and its
+        for pid in [*monitors, daemon]:  # daemon, as a machine's loss takes them: found by the heartbeats alone
+            os.kill(pid, signal.SIGKILL)
     finally:
         codes = finish(procs, out, env)
     killed = {1, 4, 8, held[2], held[3]}
