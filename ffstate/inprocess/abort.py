@@ -113,7 +113,8 @@ class GroupAbort(Abort):
         # (DDP's gradient all-reduce and buffer broadcast) is ended here instead (ffstate/inflight.py).
         group = dist.distributed_c10d._get_default_group() if dist.is_available() and dist.is_initialized() else None
         ended = inflight.abort("the process group was aborted after a failure elsewhere in the job", keep=group)
-        if group is not None:
+        had_group = group is not None
+        if had_group:
             hold(group, self._timeout + 60)
         del group
         if dist.is_available() and dist.is_initialized():
@@ -121,6 +122,9 @@ class GroupAbort(Abort):
                 dist.destroy_process_group()
             except Exception as e:  # the group is gone either way; say why it did not go cleanly
                 log.warning("destroying the process group after a failure: %s", e)
+        if not had_group and not shut + gone + ended:  # no group (between two entries, after the function returned)
+            log.debug("abort: no process group, nothing to end")
+            return state
         log.info("aborted the process group in %.0f ms (%d sockets shut down, %d closed already; %d collectives "
                  "in flight ended)", (time.perf_counter() - start) * 1e3, shut, gone, ended)
         return state
