@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Collection
@@ -23,7 +24,6 @@ from ffstate import codec, layout, persist, placement, razor, shm
 from ffstate._proto import replica_pb2 as pb
 from ffstate.client import Client, stream_striped
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
-from ffstate.fanout import run_all
 from ffstate.job import Job
 from ffstate.layout import Manifest
 
@@ -195,9 +195,11 @@ def fetch_ranks(job: str, world: int, version: int, available: dict[int, Availab
     ``parts_only``, only the razor's part when it comes from a holder (``razor.in_part``: a group member's
     own state is not this rank's to load). Rank ``own``'s tensors placed by ``map_location``, every other rank's on
     the CPU: copied out of (a razor's parts, a resize), never trained on; the device recorded is another process's."""
-    got = run_all(lambda r: _fetch_one(job, r, world, version, available[r], lookups.get(r), daemons, r in parts_only,
-                                       map_location if r == own else "cpu"), list(available), 8, "ffstate-fetch")
-    return dict(zip(available, got))  # waited for in slices: the in-process engine's restart lands (fanout.py)
+    with ThreadPoolExecutor(max(1, min(8, len(available)))) as pool:
+        futures = {r: pool.submit(_fetch_one, job, r, world, version, a, lookups.get(r), daemons, r in parts_only,
+                                  map_location if r == own else "cpu")
+                   for r, a in available.items()}
+        return {r: f.result() for r, f in futures.items()}
 
 
 def _fetch_one(job: str, rank: int, world: int, version: int, mine: Available, local: pb.AttachResponse | None,
