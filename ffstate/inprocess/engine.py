@@ -228,8 +228,10 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
                         "process group again in %.0f ms", rank, process, it, list(failures),
                         (time.perf_counter() - start) * 1e3)
         got = fn(Attempt(rank, world, it, process, failures), *args, **kwargs)
-        dist.destroy_process_group()
-        abort.opened({})  # gone: an abort at the job's end (a process that left first) has nothing of it to end
+        try:
+            dist.destroy_process_group()
+        finally:
+            abort.opened({})  # gone: an abort at the job's end (a process that left first) has nothing of it to end
         return got
 
     # The extension hands its CallWrapper to the parameter annotated with its class, which it reads as a class, not

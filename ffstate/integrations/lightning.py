@@ -29,7 +29,8 @@ from lightning.pytorch.trainer.call import _call_callbacks_state_dict as _callba
 import ffstate
 from ffstate import capture
 from ffstate.config import Config
-from ffstate.errors import FFStateError
+from ffstate.errors import CodecError, FFStateError
+from ffstate.layout.tree import flatten
 
 log = logging.getLogger("ffstate.integrations.lightning")
 
@@ -81,13 +82,23 @@ class _Precision:
 class _Callbacks:
     """The fit's other callbacks' state (an ``EarlyStopping``'s patience count and best score, a ``ModelCheckpoint``'s
     best k), as Lightning's own checkpoint keeps it and puts it back: each callback's ``state_dict()`` by its
-    ``state_key``, through Lightning's own calls (a callback with no state, as this one, keeps nothing)."""
+    ``state_key``, through Lightning's own calls (a callback with no state, as this one, keeps nothing). A callback
+    whose state holds a value ffstate cannot copy (a ``set``, a ``Path``, an object of its own) is left out, said once:
+    its state starts over after a restore, as before ffstate kept any."""
 
     def __init__(self, trainer: Any):
         self.trainer = trainer
+        self.left_out: set[str] = set()
 
     def state_dict(self) -> dict:
-        return _callbacks_state(self.trainer)
+        states = _callbacks_state(self.trainer)
+        for key in [k for k in states if k not in self.left_out]:
+            try:
+                flatten(states[key])
+            except CodecError as e:
+                self.left_out.add(key)
+                log.warning("rank %d: the state of callback %s is not replicated: %s", self.trainer.global_rank, key, e)
+        return {k: v for k, v in states.items() if k not in self.left_out}
 
     def load_state_dict(self, state: dict) -> None:
         _load_callbacks(self.trainer, {"callbacks": state})
@@ -128,6 +139,10 @@ class ReplicationCallback(Callback):
         if not optimizers:
             raise FFStateError("ReplicationCallback needs the fit's optimizer (configure_optimizers returned none)")
         self._loops = _Loops(trainer)
+        before = [type(c).__name__ for c in trainer.callbacks[:trainer.callbacks.index(self)] if c.state_dict()]
+        if before:  # their on_fit_start ran before the restore below puts their state back (Lightning's resume: after)
+            log.warning("rank %d: callbacks %s come before ReplicationCallback: their on_fit_start sees their state "
+                        "before it is restored; list ReplicationCallback first", trainer.global_rank, before)
         extra = {"loops": self._loops, "precision": _Precision(trainer), "optimizers": optimizers[1:],
                  "callbacks": _Callbacks(trainer)}
         # DDP's shadow step after a restore goes through Lightning's own forward (on_train_batch_start), not a hook
