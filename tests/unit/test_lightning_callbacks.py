@@ -1,7 +1,7 @@
-"""The Lightning adapter's copy of the fit's other callbacks' state (``ffstate.integrations.lightning._Callbacks``): each
-callback's ``state_dict()`` by its ``state_key`` through Lightning's own calls, put back by ``load_state_dict()``; a
-callback whose state ffstate cannot copy (here a ``set``) is left out, said once, and the others are still kept. The
-whole fit, restored twice, is tests/system/test_integrations.py's."""
+"""The Lightning adapter's copy of the fit's other callbacks' state (``lightning._Callbacks``): each callback's
+``state_dict()`` by its ``state_key`` through Lightning's own calls, put back by ``load_state_dict()``; a callback
+whose state ffstate cannot copy (here a ``set``) is left out, said once, and the others are still kept. The whole
+fit, restored twice, is tests/system/test_integrations.py's."""
 
 import logging
 import types
