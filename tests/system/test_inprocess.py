@@ -293,10 +293,13 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
     # may: `heartbeat` looks for the host every 50 ms, so its first beat comes within the host's idle exit however
     # long it waited (torch's own connect retries back off to seconds: 7.6 s after 10 s of refusals, measured, and a
     # beater connected after the host had gone, once in a suite).
+    # It ends without the interpreter's finalization, as the jobs do (ffstate/startup.py): there the heartbeat's
+    # thread, inside the store's C++, aborted the process once (SIGABRT, in a fresh clone's suite).
     beater = subprocess.Popen([sys.executable, "-c", "import sys, time\nimport torch.distributed\n"
-                               "from ffstate.inprocess.store import heartbeat\nprint('ready', flush=True)\n"
-                               f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(10)"], stdout=subprocess.PIPE,
-                              text=True)
+                               "from ffstate.inprocess.store import heartbeat\nfrom ffstate.startup import exit_now\n"
+                               "print('ready', flush=True)\n"
+                               f"heartbeat('127.0.0.1', {port}, every=0.5)\ntime.sleep(10)\nexit_now()"],
+                              stdout=subprocess.PIPE, text=True)
     host = None
     try:
         assert Lines(beater).next() == "ready"
