@@ -38,10 +38,10 @@ PROCESSES = 9
 def launch(out: Path, kills: list[str], after_restore: int = -1, layout: dict = LAYOUT, processes: int = PROCESSES,
            steps: int = STEPS, extra: tuple[str, ...] = ()) -> tuple[list[subprocess.Popen], dict]:
     """Every process of the job, as a launcher such as srun starts them."""
-    port = free_ports(4)
+    port = free_ports(6)  # the stores' two (and two spare), then the daemons': one probe, so they cannot overlap
     env = {**os.environ, **layout, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(processes),
            "OMP_NUM_THREADS": "1", "FFSTATE_JOB_ID": f"ip{uuid.uuid4().hex[:8]}", "FFSTATE_TOKEN": uuid.uuid4().hex,
-           "FFSTATE_BASE_PORT": str(free_ports(2)), "TMPDIR": str(out), "TORCH_CPP_LOG_LEVEL": "ERROR"}
+           "FFSTATE_BASE_PORT": str(port + 4), "TMPDIR": str(out), "TORCH_CPP_LOG_LEVEL": "ERROR"}
     args = [sys.executable, "-m", "ffstate.bench._downtime_worker", str(out), str(steps), "--mode", "inprocess",
             *[a for k in kills for a in ("--kill", k)], "--kill-after-restore", str(after_restore), *extra]
     procs = [subprocess.Popen(args, env={**env, "RANK": str(r)}, stdout=open(out / f"p{r}.log", "w"),
