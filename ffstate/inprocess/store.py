@@ -89,19 +89,12 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
         try:
             if not listening(host, port):
                 with open(log_path, "a") as out:
-                    proc = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", host, str(port)],
-                                            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                                            close_fds=True)
-                # Every port: the host binds them one after the other, and one taken by another program ends it
-                # after the first listened (every process then waited 300 s in TCPStore's connect, refused).
-                deadline = time.monotonic() + START_WAIT
-                while not all(listening(host, port + i) for i in range(PORTS)):
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        why = f"its host exited ({proc.returncode})" if proc.poll() is not None else \
-                            f"not within {START_WAIT:.0f}s"
-                        raise RuntimeError(f"the job's stores did not listen at {host}:{port}-{port + PORTS - 1}: "
-                                           f"{why}; see {log_path} (MASTER_PORT and the next port must be free)")
-                    time.sleep(LISTEN_POLL)
+                    subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", host, str(port)],
+                                     stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                     close_fds=True)
+                if not wait_listening(host, port, START_WAIT):
+                    raise RuntimeError(f"the job's stores did not listen at {host}:{port} within {START_WAIT:.0f}s; "
+                                       f"see {log_path}")
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
