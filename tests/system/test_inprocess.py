@@ -122,7 +122,7 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store 127.0.0.1 {env['MASTER_PORT']}$"], check=False)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {env['MASTER_PORT']}$"], check=False)
 
 
 def monitor_pid(run_dir: Path, process: int) -> int:
