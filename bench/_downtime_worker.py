@@ -37,7 +37,6 @@ import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
 import signal  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -46,7 +45,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ffstate  # noqa: E402
-from ffstate.testing.faults import die_once  # noqa: E402
+from ffstate.testing.faults import die_once, monitor_pid  # noqa: E402
 from ffstate.testing.models import TinyGPT  # noqa: E402
 
 
@@ -153,9 +152,8 @@ def main() -> None:
                 die_once(a.out / f"killed-at-group-{at_iteration}", lambda: (note({"kill": process}), kill_monitor()))
             return arrive(*args, **kwargs)
 
-        def kill_monitor() -> None:  # the engine's monitor process of this one: its log names it
-            log = running.run_dir(job_id(ffstate.Config.from_env())) / f"engine-{process}.log"
-            os.kill(int(re.search(r"daemon_pid=(\d+)", log.read_text()).group(1)), signal.SIGKILL)
+        def kill_monitor() -> None:  # the engine's monitor process of this one
+            os.kill(monitor_pid(running.run_dir(job_id(ffstate.Config.from_env())), process), signal.SIGKILL)
 
         group.arrive = arrive_or_die
 

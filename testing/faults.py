@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Callable
@@ -18,3 +19,12 @@ def die_once(marker: Path, before: Callable[[], None] | None = None) -> None:
     if before is not None:
         before()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def monitor_pid(run_dir: Path, process: int) -> int:
+    """The pid of the in-process engine's monitor process of ``process``: the first line of its log in the job's run
+    folder names it (``daemon_pid=``); a machine's loss takes it with the process."""
+    from ffstate.inprocess.engine import MONITOR_LOG
+
+    log = run_dir / MONITOR_LOG.format(rank=process)
+    return int(re.search(r"daemon_pid=(\d+)", log.read_text()).group(1))

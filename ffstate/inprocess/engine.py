@@ -55,6 +55,7 @@ WRAPPER = dict(monitor_thread_interval=1_000 * _MS, monitor_process_interval=50 
                progress_watchdog_interval=100 * _MS, heartbeat_interval=500 * _MS, heartbeat_timeout=10_000 * _MS,
                soft_timeout=3_600_000 * _MS, hard_timeout=3_660_000 * _MS, barrier_timeout=3_720_000 * _MS,
                completion_timeout=3_720_000 * _MS, termination_grace_time=1_000 * _MS)
+MONITOR_LOG = "engine-{rank}.log"  # each process's monitor process's log, in the run folder: its first line, its pid
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
                                     store_kwargs={"host_name": host, "port": port + 1, "world_size": processes},
                                     abort=abort, rank_assignment=assignment, health_check=None,
                                     finalize=inprocess.Compose(ReleaseLoggingLocks(), Unwound(deadline)),
-                                    monitor_process_logfile=str(run_dir / "engine-{rank}.log"), **WRAPPER)
+                                    monitor_process_logfile=str(run_dir / MONITOR_LOG), **WRAPPER)
     per = layout.per_node
 
     def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None) -> Any:

@@ -9,7 +9,6 @@ The assignment's logic alone is checked by property tests in tests/unit/test_inp
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import pytest
 
 from ffstate import Config
 from ffstate.bench._report import free_ports
+from ffstate.testing.faults import monitor_pid
 from helpers import Lines, assert_bitwise_equal
 
 pytest.importorskip("nvidia_resiliency_ext.inprocess", reason="the in-process mode's engine (nvidia-resiliency-ext) "
@@ -123,11 +123,6 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
             except (OSError, ValueError):
                 pass
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {env['MASTER_PORT']}$"], check=False)
-
-
-def monitor_pid(run_dir: Path, process: int) -> int:
-    """The pid of the engine's monitor process of ``process`` (its log's first line names it)."""
-    return int(re.search(r"daemon_pid=(\d+)", (run_dir / f"engine-{process}.log").read_text()).group(1))
 
 
 def finals(out: Path, world: int = 4) -> list[dict]:
