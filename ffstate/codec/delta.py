@@ -234,17 +234,18 @@ def _segment_chunk(data: np.ndarray, base: np.ndarray | None, seg: tuple[int, in
 def _apply_groups(chunks: Sequence[Chunk], manifest: Manifest, chunk_bytes: int, out: Buffer,
                   into_zeros: bool = False, revert: bool = False) -> None:
     """Applies every segment onto ``out`` (``revert``: takes every one off; ``into_zeros``: a full version's new
-    buffer, decompressed straight into); if one is malformed, the others are undone and CodecError raised."""
+    buffer, decompressed straight into); if one is malformed (or fails otherwise: memory), the others are undone and
+    its error raised."""
     segs = segments(manifest, chunk_bytes)
     payloads = [np.frombuffer(c.payload, dtype=np.uint8) for c in chunks]
     data = host.writable(out)  # the callers' buffers are on the host: decode_snapshot and revert_snapshot refuse others
 
-    def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> CodecError | None:
+    def apply(item: tuple[np.ndarray, tuple[int, int, int]]) -> Exception | None:
         payload, (off, n, size) = item
         try:
             apply_segment(payload, size, off, data[off : off + n * size], into_zeros, revert)
-        except CodecError as e:  # apply_segment validates before it writes: this segment is untouched
-            return e
+        except Exception as e:  # noqa: BLE001 (apply_segment validates and allocates before it writes: this
+            return e  # segment is untouched; a MemoryError too must not leave the others applied)
         return None
 
     def undo(item: tuple[np.ndarray, tuple[int, int, int]]) -> None:

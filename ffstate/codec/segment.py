@@ -62,9 +62,14 @@ LANES = {1: (np.uint8, np.int8, 7), 2: (np.uint16, np.int16, 15), 4: (np.uint32,
          8: (np.uint64, np.int64, 63), 16: (np.uint64, np.int64, 63)}
 
 
+SCRATCH_KEPT = 8 << 20  # bytes of scratch a thread keeps between segments (the encoders' segments: 1 MiB)
+
+
 def _scratch(nbytes: int, which: int = 0) -> np.ndarray:
     """Per-thread buffer ``which`` of at least ``nbytes``: 0, a segment's delta or decompressed bytes (a segment's
     size, at least 1 MiB); 1, the zigzag's sign mask (one ``MASK_BYTES`` block)."""
+    if nbytes > SCRATCH_KEPT:  # a segment larger than any encoder makes: not kept for the thread's lifetime
+        return np.empty(nbytes, dtype=np.uint8)
     bufs = getattr(_SCRATCH, "bufs", None)
     if bufs is None:
         bufs = _SCRATCH.bufs = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]

@@ -50,6 +50,7 @@ class Staging:
     reserved: int
     source: str
     at: float = field(default_factory=time.monotonic)  # when it was staged: it expires (``expire_staged``)
+    dropped: bool = False  # the job was dropped while it was committed
 
 
 @dataclass(frozen=True)

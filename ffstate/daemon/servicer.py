@@ -1,9 +1,8 @@
-"""The daemon's gRPC edge: the servicer (protobuf <-> ``node.py``), one map from errors to gRPC statuses, an
-interceptor checking the job token on every call but health checks; ``start_server`` binds it, plain or TLS (I6)."""
+"""The daemon's gRPC edge: the servicer (protobuf <-> ``node.py``), one map from errors to gRPC statuses;
+``start_server`` binds it, plain or TLS (I6), behind the token check of ``auth.py``."""
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import logging
 import socket
@@ -22,7 +21,9 @@ from ffstate.bulk import frames
 from ffstate.bulk.frames import FRAME, recv_exactly, recv_into
 from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig
+from ffstate.daemon.auth import TokenInterceptor
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
+from ffstate.daemon.store import MAX_CHUNKS
 from ffstate.daemon.held import IncomingChunk
 from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
 from ffstate.ids import ShardKey, check_id
@@ -53,31 +54,6 @@ def _ascending(wanted: list[int]) -> None:
     for a, b in zip(wanted, wanted[1:]):
         if b <= a:
             raise ReplicaError(f"fetch names chunk {b} after {a}: chunk indices must ascend", "INVALID_ARGUMENT")
-
-
-class TokenInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED, before any handler runs, for a call without the job's token."""
-
-    def __init__(self, token: str, on_refuse: Callable[[str], None] = lambda status: None):
-        self._token, self._on_refuse = token, on_refuse
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"missing or wrong ffstate token (metadata '{wire.TOKEN_KEY}')")
-
-        self._deny = {kind: getattr(grpc, f"{kind}_rpc_method_handler")(deny)
-                      for kind in ("unary_unary", "stream_unary", "unary_stream")}
-
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith("/grpc.health.v1."):
-            return continuation(details)
-        meta = dict(details.invocation_metadata or ())
-        if hmac.compare_digest(str(meta.get(wire.TOKEN_KEY, "")).encode(), self._token.encode()):
-            return continuation(details)
-        log.warning("refused %s: missing or wrong token", details.method)
-        self._on_refuse("UNAUTHENTICATED")
-        method = wire.METHODS.get(details.method.rsplit("/", 1)[-1])
-        return self._deny[method.kind if method else "unary_unary"]
 
 
 class Servicer:
@@ -217,6 +193,9 @@ class Servicer:
     def _fetched(self, request: pb.FetchRequest) -> tuple[int, list, int]:
         """(version, the chunks ``request`` asks for, what is held until they are sent): Fetch's and FetchBulk's
         checks and work, before anything is sent."""
+        if len(request.chunks) > MAX_CHUNKS:  # before the list is made: a message's indices are 15x its size as ints
+            raise ReplicaError(f"fetch names {len(request.chunks)} chunks; a version has at most {MAX_CHUNKS}",
+                               "INVALID_ARGUMENT")
         wanted = list(request.chunks)
         _ascending(wanted)  # before anything is copied or encoded
         version, packed, reserved = self.node.fetch(_key(request.shard), request.version, wanted)

@@ -48,6 +48,7 @@ class Store:
         self._room = threading.Condition(self._lock)  # notified as bytes are given back
         self._replicas: dict[ShardKey, Replica] = {}
         self._staged: dict[ShardKey, Staging] = {}
+        self._committing: dict[ShardKey, Staging] = {}  # popped from _staged, being decoded: a drop marks them
         # The encodings being served, and the last one kept: counted while they live (``served.py``).
         self.served = Served(self.reserve, self.release)
 
@@ -95,7 +96,7 @@ class Store:
             for c in it:
                 if first is None:
                     first = self._check_first(c)
-                self._check_next(first, c, len(received))
+                _check_next(first, c, len(received), self.max_chunk_bytes)
                 self.reserve(len(c.payload) + CHUNK_BOOKKEEPING, f"chunk {c.index} of {c.key} version {c.version}")
                 reserved += len(c.payload) + CHUNK_BOOKKEEPING
                 chunk = Chunk(c.index, c.count, c.checksum, memoryview(c.payload))
@@ -142,27 +143,15 @@ class Store:
                                    "INVALID_ARGUMENT")
         return c
 
-    def _check_next(self, first: IncomingChunk, c: IncomingChunk, expected: int) -> None:
-        if (c.key, c.version, c.base_version, c.count) != (first.key, first.version, first.base_version, first.count):
-            raise ReplicaError(f"chunk {c.index} belongs to {c.key} version {c.version} (base {c.base_version}, "
-                               f"{c.count} chunks), the stream started {first.key} version {first.version} "
-                               f"(base {first.base_version}, {first.count} chunks)", "INVALID_ARGUMENT")
-        if c.index >= c.count:
-            raise ReplicaError(f"chunk {c.index} is past the version's {c.count} chunks", "INVALID_ARGUMENT")
-        if c.index < expected:
-            raise ReplicaError(f"duplicate chunk {c.index} (expected chunk {expected})", "INVALID_ARGUMENT")
-        if c.index != expected:
-            raise ReplicaError(f"chunk {c.index} out of order: expected chunk {expected}", "INVALID_ARGUMENT")
-        if len(c.payload) > self.max_chunk_bytes:
-            raise ReplicaError(f"chunk {c.index} has {len(c.payload)} bytes, more than the limit "
-                               f"{self.max_chunk_bytes}", "RESOURCE_EXHAUSTED")
-
     def _check_header(self, first: IncomingChunk, head: Packed) -> int:
         """Validates chunk 0 against what is held; returns the bytes reserved for a full version's buffer."""
         try:
             header = head.header
         except CodecError as e:
             raise ReplicaError(f"malformed header chunk: {e}", "INVALID_ARGUMENT") from None
+        if header["chunk_bytes"] > self.max_chunk_bytes:  # a segment's size: what decoding one allocates
+            raise ReplicaError(f"segments of {header['chunk_bytes']} bytes: more than the limit {self.max_chunk_bytes}",
+                               "RESOURCE_EXHAUSTED")
         if (header["kind"] == "full") != (first.base_version == 0):
             raise ReplicaError(f"header says {header['kind']} but base_version is {first.base_version}",
                                "INVALID_ARGUMENT")
@@ -190,6 +179,7 @@ class Store:
                 raise ReplicaError(f"cannot commit {key} version {version}: {have} is staged", "FAILED_PRECONDITION")
             del self._staged[key]
             held = self._replicas.get(key)
+            self._committing[key] = staging
         try:
             if staging.base_version == 0:
                 return self._commit_full(staging, held)
@@ -201,14 +191,22 @@ class Store:
         except BaseException:  # refused (the base moved on) or a bug: the staged bytes are released either way
             self.release(staging.reserved)
             raise
+        finally:
+            with self._lock:
+                if self._committing.get(key) is staging:
+                    del self._committing[key]
 
     def _commit_full(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
         snap = codec.decode_snapshot(staging.packed, max_nbytes=staging.reserved, device=None)
         new = Replica(staging.key, snap, staging.version, staging.source, time.time())
         with self._lock:
+            _still(staging, held, self._replicas)
             self._replicas[staging.key] = new
+        if held is not None:
+            with held.lock:  # after a step-back under way on it, which gives back its own deltas
+                old = held.nbytes
         # The buffer stays reserved (it is now held); the chunks are freed; so is the old replica.
-        self.release(staging.reserved - host.size(snap.buffer) + (held.nbytes if held else 0))
+        self.release(staging.reserved - host.size(snap.buffer) + (old if held is not None else 0))
         log.info("committed full version %d of %s from %s (%d bytes)", staging.version, staging.key,
                  staging.source, host.size(snap.buffer))
         return new.version, snap.checksum
@@ -220,6 +218,8 @@ class Store:
         with held.lock:
             before = held.snapshot.manifest.scalars
             held.snapshot = codec.decode_snapshot(staging.packed, held.snapshot, inplace=True)
+            with self._lock:
+                _still(staging, held, self._replicas)  # else the replica changed was one dropped meanwhile: nothing is kept
             held.history.append(Delta(staging.version, held.version, staging.packed, before))
             held.version, held.source, held.updated = staging.version, staging.source, time.time()
             freed = 0
@@ -258,6 +258,8 @@ class Store:
             part = only and version == held.version
             manifest = held.snapshot.manifest
         segs = codec.segments(manifest, codec.DEFAULT_CHUNK_BYTES)
+        if part and only[-1] > len(segs):
+            raise ReplicaError(f"fetch names chunk {only[-1]}: the version has {len(segs) + 1}", "INVALID_ARGUMENT")
         bound = sum(segs[i - 1][1] * segs[i - 1][2] for i in only if 0 < i <= len(segs)) if part else manifest.nbytes
         what = f"the encoding of {key} version {version} being served"
         self.reserve(bound, what, SERVE_WAIT)  # off the replica's lock: a push to it goes on meanwhile
@@ -300,12 +302,18 @@ class Store:
 
     def drop(self, job_id: str, rank: int | None = None, world: int | None = None) -> int:
         with self._lock:
-            keys = [k for k in set(self._replicas) | set(self._staged) if k.job_id == job_id
+            keys = [k for k in set(self._replicas) | set(self._staged) | set(self._committing) if k.job_id == job_id
                     and (rank is None or k.rank == rank) and (world is None or k.world_size == world)]
             gone = [self._replicas.pop(k, None) for k in keys]
             staged = [self._staged.pop(k, None) for k in keys]
+            for c in filter(None, map(self._committing.get, keys)):
+                c.dropped = True  # its commit gives its bytes back and keeps nothing
             self._used -= self.served.forget(set(keys))
-        self.release(sum(r.nbytes for r in gone if r) + sum(s.reserved for s in staged if s))
+        freed = 0
+        for r in filter(None, gone):
+            with r.lock:  # after a step-back or a delta's commit under way on it
+                freed += r.nbytes
+        self.release(freed + sum(s.reserved for s in staged if s))
         if keys:
             log.info("dropped %d shard(s) of job %s", len(keys), job_id)
         return len(keys)
@@ -315,13 +323,7 @@ class Store:
         with self._lock:
             keys = sorted(k for k in set(self._replicas) | set(self._staged) if not job_id or k.job_id == job_id)
             rows = [(k, self._replicas.get(k), self._staged.get(k)) for k in keys]
-        out = []
-        for k, r, s in rows:
-            staged = {"staged_version": s.version, "staged_bytes": s.reserved} if s else {}
-            out.append({"key": k, "version": r.version if r else 0, "versions": r.versions if r else [],
-                        "bytes": (r.nbytes if r else 0) + (s.reserved if s else 0), "updated": r.updated if r else 0.0,
-                        "source": r.source if r else s.source, **staged})
-        return out
+        return [_row(*row) for row in rows]
 
     def expire_staged(self, timeout: float) -> list[tuple[ShardKey, int]]:
         """Discards the versions staged longer than ``timeout`` seconds ago and not committed (a pusher that died
@@ -333,6 +335,38 @@ class Store:
         for s in gone:
             self.release(s.reserved)
         return [(s.key, s.version) for s in gone]
+
+
+def _check_next(first: IncomingChunk, c: IncomingChunk, expected: int, max_chunk_bytes: int) -> None:
+    if (c.key, c.version, c.base_version, c.count) != (first.key, first.version, first.base_version, first.count):
+        raise ReplicaError(f"chunk {c.index} belongs to {c.key} version {c.version} (base {c.base_version}, "
+                           f"{c.count} chunks), the stream started {first.key} version {first.version} "
+                           f"(base {first.base_version}, {first.count} chunks)", "INVALID_ARGUMENT")
+    if c.index >= c.count:
+        raise ReplicaError(f"chunk {c.index} is past the version's {c.count} chunks", "INVALID_ARGUMENT")
+    if c.index < expected:
+        raise ReplicaError(f"duplicate chunk {c.index} (expected chunk {expected})", "INVALID_ARGUMENT")
+    if c.index != expected:
+        raise ReplicaError(f"chunk {c.index} out of order: expected chunk {expected}", "INVALID_ARGUMENT")
+    if len(c.payload) > max_chunk_bytes:
+        raise ReplicaError(f"chunk {c.index} has {len(c.payload)} bytes, more than the limit "
+                           f"{max_chunk_bytes}", "RESOURCE_EXHAUSTED")
+
+
+def _row(k: ShardKey, r: Replica | None, s: Staging | None) -> dict[str, Any]:
+    """One shard's row of ``Store.inventory``."""
+    staged = {"staged_version": s.version, "staged_bytes": s.reserved} if s else {}
+    return {"key": k, "version": r.version if r else 0, "versions": r.versions if r else [],
+            "bytes": (r.nbytes if r else 0) + (s.reserved if s else 0), "updated": r.updated if r else 0.0,
+            "source": r.source if r else s.source, **staged}
+
+
+def _still(staging: Staging, held: Replica | None, replicas: dict[ShardKey, Replica]) -> None:
+    """Under the store's lock: the shard was neither dropped nor replaced while ``staging`` was decoded (else its
+    bytes would be counted, or given back, twice)."""
+    if staging.dropped or replicas.get(staging.key) is not held:
+        raise ReplicaError(f"{staging.key} was dropped or replaced while version {staging.version} was committed",
+                           "FAILED_PRECONDITION")
 
 
 def _verify_one(chunk: Chunk) -> None:

@@ -314,3 +314,58 @@ def test_a_version_pushed_and_never_committed_is_shown_and_expires(daemons, stat
             time.sleep(0.2)
         assert not c.inventory(JOB).shards and c.inventory().bytes_used == before
     assert f"discarded {JOB}/rank 0 of 1 version 1: pushed and not committed within 15s" in d.log()
+
+
+def test_calls_without_the_token_that_never_send_a_request_cannot_take_the_daemons_threads(daemons):
+    """gRPC's server gives each call a thread and, for a method taking one request, waits there for it: a refusal
+    or a health check that waited let a stranger hold every thread (25 calls here, 64 with the defaults) and every
+    RPC of the job queued behind them (DEADLINE_EXCEEDED after 5 s, before). Both now answer without reading; the
+    refusals are logged a line a second, not one each."""
+    import threading
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    d = daemons.start("--max-pushes", "4")  # a pool of 20 threads
+    release = threading.Event()
+
+    def never():
+        release.wait(60)
+        return
+        yield  # a request stream that sends nothing
+
+    attacker = grpc.insecure_channel(d.address)
+    channel = grpc.insecure_channel(d.address)
+    try:
+        calls = [attacker.stream_unary(f"/ffstate.v1.Replica/{m}").future(never(), timeout=60)
+                 for m in ("Inventory", "Commit", "StepBack") for _ in range(10)]
+        checks = [attacker.stream_unary("/grpc.health.v1.Health/Check",
+                                        response_deserializer=health_pb2.HealthCheckResponse.FromString
+                                        ).future(never(), timeout=60) for _ in range(10)]
+        fetches = [attacker.stream_stream("/ffstate.v1.Replica/Fetch")(never(), timeout=60) for _ in range(10)]
+        time.sleep(1.0)  # every call at the daemon
+        assert pb_grpc.ReplicaStub(channel).Inventory(pb.InventoryRequest(), metadata=META, timeout=5).node_id
+        assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
+        assert {c.exception(10).code() for c in calls} == {grpc.StatusCode.UNAUTHENTICATED}
+        assert {c.result(10).status for c in checks} == {health_pb2.HealthCheckResponse.SERVING}
+        for f in fetches:
+            with pytest.raises(grpc.RpcError) as e:
+                next(f)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        release.set()
+        attacker.close()
+        channel.close()
+    assert d.log().count("missing or wrong token") < 10  # 40 refused within a second or two
+
+
+def test_a_fetch_naming_more_chunks_than_a_version_can_have_is_refused_before_they_are_listed(held):
+    from ffstate.daemon.store import MAX_CHUNKS
+
+    d, stub, before, _ = held
+    # 1M + 1 indices (a 3 MB request: 15x that as a list of ints, before) and one far past the version's end
+    for chunks, says in ((range(1, MAX_CHUNKS + 2), "a version has at most"), ([1, (1 << 32) - 1], "the version has")):
+        with pytest.raises(grpc.RpcError) as e:
+            next(stub.Fetch(pb.FetchRequest(shard=key(), version=1, chunks=chunks), metadata=META, timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in e.value.details(), e.value.details()
+    assert used(d) == before

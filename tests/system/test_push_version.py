@@ -19,7 +19,8 @@ from ffstate.client import Client
 from ffstate.codec import Packed
 from ffstate.config import DaemonConfig
 from ffstate.daemon.node import Node
-from ffstate.daemon.servicer import Servicer, TokenInterceptor
+from ffstate.daemon.auth import TokenInterceptor
+from ffstate.daemon.servicer import Servicer
 from helpers import assert_bitwise_equal, train_states
 
 pytestmark = pytest.mark.timeout(120)
