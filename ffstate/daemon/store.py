@@ -219,7 +219,7 @@ class Store:
             before = held.snapshot.manifest.scalars
             held.snapshot = codec.decode_snapshot(staging.packed, held.snapshot, inplace=True)
             with self._lock:
-                _still(staging, held, self._replicas)  # else the replica changed was one dropped meanwhile: nothing is kept
+                _still(staging, held, self._replicas)  # else the replica changed was dropped: nothing is kept
             held.history.append(Delta(staging.version, held.version, staging.packed, before))
             held.version, held.source, held.updated = staging.version, staging.source, time.time()
             freed = 0
