@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--kill-at-group", default="")
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--dump-steps", default="")
+    p.add_argument("--raise-at", type=int, default=0)  # rank 0 raises at that step and after it, at every entry
     a = p.parse_args()
     # `kill -USR2` writes every thread's stack to the process's log: what a test that waited in vain reports.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -119,6 +120,8 @@ def main() -> None:
                 time.sleep(max(0.0, a.step_seconds - (time.perf_counter() - began)))
                 ff.commit(step + 1)
                 note({"process": process, "rank": rank, "step": step + 1, "iteration": iteration})
+                if a.raise_at and step + 1 >= a.raise_at and rank == 0:
+                    raise ValueError(f"injected at step {step + 1}")
                 if step + 1 in dumps and not iteration:
                     dump(a.out / f"step{step + 1}-rank{rank}.pt")
                 if (process, step + 1) in kills:

@@ -148,9 +148,9 @@ class Replicated:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:  # torchrun restarts the group: leave every copy where it is
-            log.warning("rank %d: leaving with %s; replicas kept for the restart%s", self.rank, _said(exc_type, exc),
-                        "" if self.job.watched_after_error else " (one process, no launcher: not watched for hangs)")
-            self._close(self.job.watched_after_error)
+            alone = "" if self.job.watched_after_error else " (one process, no launcher: not watched for hangs)"
+            self._close(self.job.watched_after_error, f"leaving with {_said(exc_type, exc)}; replicas kept for the "
+                        f"restart{alone}")
             return
         lag, job = self.lag, self.job
         try:
@@ -222,9 +222,10 @@ class Replicated:
             if self._slots is not None:
                 self._slots.set_paused(self._paused_until)
 
-    def _close(self, watched: bool = True) -> None:
-        if self._slots is not None:  # first: the daemon asks for stacks only where the record names a file
-            self._slots.set_left(watched)
+    def _close(self, watched: bool = True, said: str = "") -> None:
+        if self._slots is not None:  # first: the daemon asks for stacks only where the record names a file, and a
+            self._slots.set_left(watched)  # restart raised into the log line below must not leave the step's deadline
+        log.warning("rank %d: %s", self.rank, said) if said else None
         if self._stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
             self._stacks.close()

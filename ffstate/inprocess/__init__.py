@@ -13,8 +13,8 @@ rank's place, and ffstate restores every rank at v*.
 
 ``assignment`` (which process holds which rank: pure code), ``abort`` (stopping a gloo group), ``store`` (the
 job's stores, outside every rank), ``group`` (each entry's process group, once every rank has arrived), ``locks``
-(logging locks a restart's asynchronous exception left held), ``unwind`` (the deadline after an abort), ``engine``
-(the extension's wrapper, configured).
+(logging locks a restart's asynchronous exception left held), ``unwind`` (the deadline after an abort), ``raised``
+(a function that raises at every entry stops the job), ``engine`` (the extension's wrapper, configured).
 """
 
 try:
@@ -25,5 +25,6 @@ except ImportError as e:  # an optional dependency: only this mode needs it
 
 from ffstate.inprocess.assignment import Layout, NoSpareLeft
 from ffstate.inprocess.engine import Attempt, restartable
+from ffstate.inprocess.raised import TrainingRaised
 
-__all__ = ["Attempt", "Layout", "NoSpareLeft", "restartable"]
+__all__ = ["Attempt", "Layout", "NoSpareLeft", "TrainingRaised", "restartable"]

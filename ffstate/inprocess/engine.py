@@ -29,7 +29,7 @@ import torch.distributed as dist
 from nvidia_resiliency_ext import inprocess
 from nvidia_resiliency_ext.inprocess.rank_assignment import RankAssignment, RankAssignmentCtx, RankDiscarded
 from nvidia_resiliency_ext.inprocess.state import Mode
-from nvidia_resiliency_ext.inprocess.store import TCPStore
+from nvidia_resiliency_ext.inprocess.store import BarrierOverflow, TCPStore
 
 from ffstate import inflight, placement
 from ffstate.config import Config
@@ -39,7 +39,8 @@ from ffstate.inprocess.abort import GroupAbort
 from ffstate.inprocess.assignment import Assignment, Layout
 from ffstate.inprocess.group import PG_TIMEOUT, make_group
 from ffstate.inprocess.locks import ReleaseLoggingLocks
-from ffstate.inprocess.store import START_WAIT, ensure, heartbeat, wait_listening
+from ffstate.inprocess.raised import LIMIT, Repeats, entered, raised
+from ffstate.inprocess.store import IDLE_EXIT, START_WAIT, ensure, heartbeat, wait_listening
 from ffstate.inprocess.unwind import GRACE, UnwindDeadline, Unwound
 from ffstate.job import job_id
 
@@ -75,12 +76,17 @@ class NodeSpares(RankAssignment):
     """The engine's rank assignment: ``assignment.Assignment``, for the processes' ranks as the engine numbers them
     (the live processes in launch order)."""
 
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, repeats: Repeats | None = None):
         self.assignment = Assignment.start(layout)
+        self.repeats = repeats
+        self.restarts = -1  # the first call assigns the launch's ranks; each later one is a restart
 
     def __call__(self, ctx: RankAssignmentCtx) -> RankAssignmentCtx:
         a, state = self.assignment, ctx.state
         lost = {a.alive[r] for r in ctx.terminated_ranks}
+        self.restarts += 1
+        if self.repeats is not None and self.restarts:  # the iteration that ended: its records (TrainingRaised)
+            self.repeats.after(state.iteration, ctx.store.get_interruption_records(), lost)
         me = state.initial_rank
         if me in lost:
             raise RankDiscarded(f"process {me} was reported lost")
@@ -109,9 +115,17 @@ class EngineStore(TCPStore):
     def termination_barrier(self, ranks, *args, **kwargs):
         return super().termination_barrier([int(r) for r in ranks], *args, **kwargs)
 
+    def initial_barrier(self, *args, **kwargs):
+        try:
+            return super().initial_barrier(*args, **kwargs)
+        except BarrierOverflow as e:  # more arrivals than processes: an earlier launch's, kept by the stores' host
+            raise FFStateError(f"the job's stores at MASTER_PORT + 1 hold an earlier launch's engine keys ({e}): its "
+                               f"stores' host stays up to {IDLE_EXIT:.0f} s after that launch's last process; launch "
+                               "again once it has gone (docs/inprocess.md), or on another MASTER_PORT") from None
+
 
 def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None,
-                unwind_grace: float = GRACE):
+                unwind_grace: float = GRACE, max_raises: int = LIMIT):
     """Runs a training function so that, when a rank dies, the other ranks stay in their processes: the function is
     entered again (a fresh process group each time), a warm spare takes the dead rank's place, and every rank
     resumes at the step the job reached from ffstate's copies.
@@ -127,20 +141,23 @@ def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None =
     ``unwind_grace``: seconds a survivor's training thread may take to leave its step after its process group was
     aborted; one still inside a wait the abort did not end (gloo's queued sends) then ends its process, which the
     job survives as any rank's death (``ffstate/inprocess/unwind.py``), rather than hold every rank for the group's
-    30-minute timeout.
+    30-minute timeout. ``max_raises``: restarts in a row for exceptions the function raised with no process lost
+    (each entry within 10 minutes) before the job stops (``ffstate/inprocess/raised.py``): such an exception is
+    most often the code's own, and raises again at every entry.
 
     Returns:
         The function's return value on a training rank; None on a process that stayed a spare.
 
     Raises:
         FFStateError: the launch does not match the layout (a variable missing, processes that do not divide).
+        raised.TrainingRaised: the function raised at ``max_raises`` entries in a row, with no process lost.
         assignment.NoSpareLeft: a node lost a rank with no spare left for it, no spare node free, and the job may not
             shrink (``Config.min_nodes``).
     """
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(f)
         def run(*args: Any, **kwargs: Any) -> Any:
-            return _run(f, args, kwargs, config or Config.from_env(), backend, unwind_grace)
+            return _run(f, args, kwargs, config or Config.from_env(), backend, unwind_grace, max_raises)
 
         return run
 
@@ -167,7 +184,7 @@ def layout_of(cfg: Config, processes: int) -> Layout:
 
 
 def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None,
-         unwind_grace: float) -> Any:
+         unwind_grace: float, max_raises: int) -> Any:
     for var, slurm in (("RANK", "SLURM_PROCID"), ("WORLD_SIZE", "SLURM_NTASKS")):  # srun sets these
         if var not in os.environ and slurm in os.environ:
             os.environ[var] = os.environ[slurm]
@@ -193,7 +210,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     # itself rather than hold every rank until the group's timeout (ffstate/inprocess/unwind.py).
     deadline = UnwindDeadline(unwind_grace, what=f"process {process}")
     abort = GroupAbort(PG_TIMEOUT, unwind=deadline)  # an aborted group is held that long, off the training's thread
-    assignment = NodeSpares(layout)
+    assignment = NodeSpares(layout, Repeats(app_store, max_raises))
     # A spare waits warm: what a first entry imports is imported now (DistributedDataParallel's first construction
     # imports torch._dynamo, 1.4 s here; torch.distributed.optim scripts its functional optimizers, 0.4 s; ffstate's
     # restore and capture 0.45 s).
@@ -228,7 +245,12 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
             log.warning("rank %d (process %d): restarted in this process (iteration %d; processes lost so far: %s); "
                         "process group again in %.0f ms", rank, process, it, list(failures),
                         (time.perf_counter() - start) * 1e3)
-        got = fn(Attempt(rank, world, it, process, failures), *args, **kwargs)
+        entered(app_store, it)
+        try:
+            got = fn(Attempt(rank, world, it, process, failures), *args, **kwargs)
+        except Exception as e:
+            raised(app_store, it, rank, e)  # what every process's TrainingRaised names
+            raise
         try:
             dist.destroy_process_group()
         finally:
@@ -250,7 +272,9 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
 
 # What each entry sets for ffstate.replicate; put back as it was when the engine returns or gives up (an error that
 # leaves replicate later in the process is then not taken for an engine's rank, which stays watched for hangs).
-ATTEMPT_VARIABLES = ("FFSTATE_ATTEMPT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "FFSTATE_SIMULATED_NODES")
+# RANK and WORLD_SIZE too: the extension leaves them the last entry's ("None" on a process that stayed a spare).
+ATTEMPT_VARIABLES = ("FFSTATE_ATTEMPT", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_RANK", "FFSTATE_SIMULATED_NODES",
+                     "RANK", "WORLD_SIZE")
 
 
 @contextlib.contextmanager

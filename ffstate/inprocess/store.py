@@ -95,7 +95,7 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if listening(host, port):
-                if not ready.exists():  # the job's host writes it before anyone may connect, and keeps it
+                if not _alive(_pid(ready)):  # the job's host writes it before anyone may connect, and keeps it
                     raise RuntimeError(f"another program listens at {host}:{port}, MASTER_PORT: the job's stores need "
                                        f"it and the next port free")
                 return
@@ -118,6 +118,25 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
                 time.sleep(LISTEN_POLL)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _pid(ready: Path) -> int:
+    try:
+        return int(ready.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _tail(path: Path, start: int, lines: int = 6) -> str:
@@ -161,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                 del stores
                 return 0
     finally:
-        if args.ready is not None:
+        if args.ready is not None and _pid(args.ready) == os.getpid():  # not a later host's
             args.ready.unlink(missing_ok=True)
 
 

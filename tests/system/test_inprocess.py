@@ -279,6 +279,23 @@ def test_no_spare_left_the_node_leaves_and_the_others_go_on_at_the_smaller_world
     assert len(finals(out, 2)) == 2 and not (out / "final-rank2.pt").exists()
 
 
+def test_a_function_that_raises_at_every_entry_stops_the_job_saying_what_it_raised(tmp_path):
+    """Rank 0 raises a ValueError at step 5 at every entry, with no process lost: the extension restarted such a job
+    forever (a few entries a second). Now the third restart in a row for an exception alone stops every process,
+    each with TrainingRaised naming the exception, and no spare is used."""
+    out = tmp_path
+    layout = {**LAYOUT, "FFSTATE_SPARES": "1", "FFSTATE_SPARE_NODES": "0"}  # 2 nodes of a rank and a spare
+    procs, env = launch(out, [], layout=layout, processes=4, steps=12, extra=("--raise-at", "5"))
+    codes = finish(procs, out, env, timeout=300)
+    assert all(c not in (0, -9) for c in codes), codes
+    for r in range(4):
+        log = (out / f"p{r}.log").read_text(errors="replace")
+        said = [line for line in log.splitlines() if "TrainingRaised: the training function raised at 3 entries" in line]
+        assert said and "(the last: rank 0: ValueError: injected at step " in said[-1], log[-3000:]  # the cause
+    entries = sorted({(r["process"], r["iteration"]) for r in progress(out) if r.get("event") == "group"})
+    assert entries == [(p, i) for p in (0, 2) for i in range(3)], entries  # the ranks' processes, 3 entries each
+
+
 def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_runs():
     """The stores' host counts the job's processes by their heartbeats through the store, not by pid files on its
     own node: a process elsewhere (here one with no file in any run folder) keeps it past its idle exit, and once

@@ -36,3 +36,16 @@ def test_ranks_read_back_as_bytes_reach_the_termination_barrier_as_numbers(monke
     siblings.base_store.termination_barrier(ranks=lost, rendezvous_count=2, timeout=datetime.timedelta(0))
     assert base.get(ARRIVED) == b"4,"
     base.termination_barrier(ranks=[0], rendezvous_count=2, timeout=datetime.timedelta(seconds=1))  # all arrived
+
+
+def test_a_launch_meeting_an_earlier_launchs_engine_keys_is_told_so(monkeypatch):
+    """The stores' host stays a minute after a launch's last process: a launch on the same port within it found the
+    earlier one's arrivals in the engine's initial barrier, and every process failed with the extension's
+    ``BarrierOverflow`` (a count of ranks). It says what happened, and what to do."""
+    from ffstate.errors import FFStateError
+
+    monkeypatch.setenv("RANK", "0")
+    store = EngineStore(host_name="127.0.0.1", port=free_ports(1), world_size=1)
+    store.initial_barrier(ranks=[0], rendezvous_count=1, timeout=datetime.timedelta(seconds=5))  # the first launch
+    with pytest.raises(FFStateError, match="an earlier launch's engine keys .* launch again once it has gone"):
+        store.initial_barrier(ranks=[0], rendezvous_count=1, timeout=datetime.timedelta(seconds=5))

@@ -4,6 +4,7 @@ reported at once, when the process that starts it goes on."""
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -66,6 +67,11 @@ def test_the_host_is_up_on_every_port_when_ensure_returns_and_another_program_on
     finally:
         os.kill(pid, signal.SIGKILL)
     other = _free_port()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
     with socket.create_server(("127.0.0.1", other)):
+        with pytest.raises(RuntimeError, match="another program listens"):
+            ensure("127.0.0.1", other, tmp_path)
+        (tmp_path / f"stores-{other}.ready").write_text(f"{gone.pid}\n")  # a host killed: its file stays
         with pytest.raises(RuntimeError, match="another program listens"):
             ensure("127.0.0.1", other, tmp_path)
