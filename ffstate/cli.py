@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("numexpr").setLevel(logging.WARNING)  # "NumExpr defaulting to N threads", at each command
     try:
         return args.run(args)
     except KeyboardInterrupt:  # Ctrl-C: the command's own clean-up (its finally blocks) has run; no traceback

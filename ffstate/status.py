@@ -68,7 +68,9 @@ def main(args: argparse.Namespace) -> int:
             with Client(address, token, tls=tls, timeout=args.timeout, retries=1) as c:
                 inv = c.inventory(args.job or "")
         except ReplicaError as e:
-            table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", "-", str(e)[:60])
+            why = ("wrong or missing token: pass --token-file or set $FFSTATE_TOKEN; " if e.code == "UNAUTHENTICATED"
+                   else "") + str(e)
+            table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", "-", why)
             failed += 1
             continue
         for s in inv.shards:
