@@ -27,9 +27,12 @@ so it watches them, with no thread in the training process and no code in the us
   folder, and clears the name before it unregisters: without the handler the signal ends the process), waits a second,
   logs where each one's main thread is (its innermost frame, and the innermost outside torch: the rank that
   never reached the collective shows its own code, the others torch's collective), then, under
-  ``hang_action=kill``, SIGKILLs them. torchrun restarts the group; the restart restores from the slots as
-  after any crash: a hang costs the deadline and a restart, and no step. Each daemon acts for its own
-  node's ranks only; every node's ranks stall together, and one node's restart restarts the job.
+  ``hang_action=kill``, SIGKILLs the ones past their deadline that have no collective on the wire (their marks):
+  the hang's, not those waiting for it. torchrun restarts the group (the in-process engine keeps the others in
+  their processes); the restart restores from the slots as after any crash: a hang costs the deadline and a
+  restart, and no step. Each daemon acts for its own node's ranks only; every node's ranks stall together, and one
+  node's restart restarts the job. A node whose ranks all wait on the wire leaves the act to the node they wait for,
+  and kills them all one deadline later if no restart came (a hang inside the collectives themselves).
 - **Stragglers.** A rank whose compute time stays above ``straggler_ratio`` (1.5) times the median of its
   node's other ranks for ``STRAGGLER_LOOKS`` looks is warned about (rate-limited); ``ffstate status`` also
   compares each rank with the whole job's. Reported, never acted on.
@@ -75,9 +78,17 @@ class RankWatch:
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     acted: bool = False  # declared hung (once per attach)
+    inflight: int = 0  # its collectives on the wire (its marks), as the last look read them
     slow_looks: int = 0
     warned: float = 0.0
     report: WatchReport | None = None
+
+
+def _inflight(slots) -> int:
+    """The collectives a rank has on the wire, as its header says now (the pacer's reading, ``comm_marks``, takes an
+    old count for 0: a hang is older than that)."""
+    headers = getattr(slots, "headers", None)
+    return max(int(headers[0].comm_inflight), 0) if headers else 0
 
 
 def alive(pid: int) -> bool:
@@ -122,6 +133,7 @@ class Watchdog:
         self.ranks: dict[ShardKey, RankWatch] = {}
         self.hangs: collections.Counter[ShardKey] = collections.Counter()
         self.held_seen: dict[str, float] = {}  # job -> the last look at which one of its local ranks was lag-held
+        self.deferred: dict[str, float] = {}  # job -> since when every local rank past its deadline waits on the wire
         self.stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -156,7 +168,8 @@ class Watchdog:
         seen: dict[ShardKey, tuple] = {}
         for key, slots in self.shards():
             try:
-                seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1], slots.commit_count())
+                seen[key] = (slots.worker(), slots.commits(), slots.comm_marks()[1], slots.commit_count(),
+                             _inflight(slots))
                 if slots.lag_held():
                     self.held_seen[key.job_id] = now
             except (ValueError, OSError, TypeError):  # slots closed meanwhile
@@ -167,7 +180,7 @@ class Watchdog:
                 del self.ranks[key]
             for job in set(self.held_seen) - {k.job_id for k in seen}:
                 del self.held_seen[job]
-            for key, (worker, commits, intervals, count) in seen.items():
+            for key, (worker, commits, intervals, count, inflight) in seen.items():
                 if worker is None:  # none attached yet, or it left unwatched: nothing of a process it had is kept
                     self.ranks.pop(key, None)
                     continue
@@ -175,6 +188,7 @@ class Watchdog:
                 if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh
                     w = self.ranks[key] = RankWatch(worker.pid, worker.alive)
                 self._observe(w, commits, intervals)
+                w.inflight = inflight
                 w.commits = count  # every commit since the attach, however many came between two looks
                 since = now - max(w.newest[1], worker.alive, w.attached, self.held_seen.get(key.job_id, 0.0))
                 paused = worker.paused_until > now
@@ -191,11 +205,13 @@ class Watchdog:
         # rank still committing is silent for less than two of its steps (a fifth of a deadline, unless the ceiling
         # or a small hang_multiple cut it): it is not named. The stacks then show which one is in its own code and
         # which wait in a collective.
+        crossing = {job: [d for _, since, d, _ in ranks if since > d] for job, ranks in silent.items()}
+        for job in [j for j in self.deferred if not crossing.get(j)]:
+            del self.deferred[job]  # out of their wait: a restart came
         for job, ranks in silent.items():
-            crossed = [deadline for _, since, deadline, _ in ranks if since > deadline]
-            if crossed:
+            if crossed := crossing[job]:
                 self._act(job, [key for key, since, deadline, step in ranks
-                                if since > deadline or since > max(min(crossed) / 2, 2 * step)], now)
+                                if since > deadline or since > max(min(crossed) / 2, 2 * step)], now, max(crossed))
 
     def _observe(self, w: RankWatch, commits: list[tuple[int, float, float]],
                  intervals: list[tuple[float, float]]) -> None:
@@ -236,15 +252,19 @@ class Watchdog:
 
     # ------------------------------------------------------------ a hang
 
-    def _act(self, job: str, stuck: list[ShardKey], now: float) -> None:
+    def _act(self, job: str, stuck: list[ShardKey], now: float, deadline: float) -> None:
+        """The ranks past their deadline (``stuck``) and the job's other local ranks: stacks from every one, and
+        under ``hang_action=kill`` the stuck ones not waiting in a collective are killed (``_victims``)."""
         with self._lock:
             local = {k: w for k, w in self.ranks.items() if k.job_id == job and not w.acted and alive(w.pid)}
-            for w in local.values():
-                w.acted = True
-            for k, w in local.items():
+            victims = self._victims(job, [k for k in stuck if k in local], local, now, deadline)
+            if not victims:
+                return
+            for k in victims:
+                local[k].acted = True
                 self.hangs[k] += 1
-                if w.report is not None:
-                    w.report.hangs = self.hangs[k]
+                if local[k].report is not None:
+                    local[k].report.hangs = self.hangs[k]
             reports = {k: self.ranks[k].report for k in stuck}
         paths = {}
         for key, slots in self.shards():
@@ -267,14 +287,37 @@ class Watchdog:
         for key in sorted(local):
             path = paths.get(key)
             text = _read_from(path, sizes.get(key, 0)) if path is not None else ""
-            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "is hung" if key in stuck else "waits",
+            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "is hung" if key in victims else "waits",
                       where(text) if text else "no stack written",
                       f" (all threads: {path})" if text else "")
         if self.cfg.hang_action == "kill":
-            for key, w in sorted(local.items()):
-                self._signal(w.pid, signal.SIGKILL)
-            log.error("killed the local ranks of job %s (%s): torchrun restarts the group, which restores from "
-                      "their slots", job, ", ".join(str(k.rank) for k in sorted(local)))
+            for key in sorted(victims):
+                self._signal(local[key].pid, signal.SIGKILL)
+            log.error("killed %s of job %s (%s): the launcher, or the in-process engine, restarts the group, which "
+                      "restores from the slots", "the local ranks" if len(victims) == len(local) else "ranks", job,
+                      ", ".join(str(k.rank) for k in sorted(victims)))
+
+    def _victims(self, job: str, stuck: list[ShardKey], local: dict[ShardKey, RankWatch], now: float,
+                 deadline: float) -> list[ShardKey]:
+        """Under the lock: which of the job's local ranks a hang kills. A hang stops every rank of the job together,
+        the one that never reached a collective and the others waiting in it for that one; the marks say which wait
+        on the wire. The stuck ranks that do not are the hang's (a launcher restarts every rank whichever dies; the
+        in-process engine keeps the others in their processes). If every one waits, the rank they wait for is on
+        another node, whose daemon acts for it; past one more ``deadline`` with no restart, every local rank of the
+        job is killed (a hang inside the collectives themselves). [] while it waits."""
+        own = [k for k in stuck if not local[k].inflight]
+        if own:
+            self.deferred.pop(job, None)
+            return own
+        since = self.deferred.setdefault(job, now)
+        if now - since < deadline:
+            if since == now:
+                log.warning("job %s: every local rank past its deadline waits in a collective (%s): the rank they "
+                            "wait for is on another node, whose daemon acts for it; these are killed in %.0fs if no "
+                            "restart comes", job, ", ".join(str(k.rank) for k in sorted(stuck)), deadline)
+            return []
+        self.deferred.pop(job, None)
+        return list(local)
 
     def local_warm(self, key: ShardKey) -> bool:
         w = self.ranks.get(key)

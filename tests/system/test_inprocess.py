@@ -9,6 +9,7 @@ The assignment's logic alone is checked by property tests in tests/unit/test_inp
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -225,6 +226,26 @@ def test_a_survivor_stuck_in_c_after_the_abort_ends_itself_and_the_job_goes_on_b
     assert sorted(e["rank"] for e in restored) == [0, 1, 2, 3] and {e["version"] for e in restored} == {5}, restored
 
 
+def test_a_hung_rank_is_killed_alone_and_its_spare_takes_over_while_the_others_stay(tmp_path, reference):
+    """Rank 2 (process 3) hangs in its own code after step 5 (an hour's sleep); the others wait for it in DDP's
+    all-reduce. The watchdog (a 3-s deadline floor here) kills it alone: the ranks waiting have a collective on the
+    wire, and node 0's, all waiting, are left to node 1's daemon. Before, every daemon killed every local rank of the
+    job: with one spare a node the job could not go on. Node 1's spare takes rank 2, the others stay in their
+    processes, and the job ends bit-identical to the same job without failures."""
+    out = tmp_path
+    layout = {**LAYOUT, "FFSTATE_SPARE_NODES": "0", "FFSTATE_HANG_FLOOR": "3"}  # node 0: 0, 1, spare 2; node 1: 3, 4, 5
+    procs, env = launch(out, [], layout=layout, processes=6, extra=("--stuck", "3:5"))
+    codes = finish(procs, out, env, timeout=300)
+    assert codes == [0, 0, 0, -9, 0, 0], (codes, evidence(out, procs))
+    for got, want in zip(finals(out), reference):
+        assert_bitwise_equal(got, want)
+    rows = progress(out)
+    last = {r["rank"]: r["process"] for r in rows if r.get("step") == STEPS}
+    assert last == {0: 0, 1: 1, 2: 5, 3: 4}, last
+    logs = "".join(p.read_text() for p in out.glob("ffstate-*/daemon-*.log"))
+    assert re.search(r"killed ranks of job \S+ \(2\)", logs) and "killed the local ranks" not in logs, logs[-3000:]
+
+
 def test_a_rank_lost_while_the_next_group_is_made_is_replaced_and_the_job_ends_bit_identical(tmp_path, reference):
     """Rank 1 dies after step 5; in the restart, rank 3 (process 4) dies with its engine's monitor process (as a
     machine's loss takes both) as it comes to make the new process group, before it has arrived. Only its siblings'
@@ -290,7 +311,7 @@ def test_a_function_that_raises_at_every_entry_stops_the_job_saying_what_it_rais
     assert all(c not in (0, -9) for c in codes), codes
     for r in range(4):
         log = (out / f"p{r}.log").read_text(errors="replace")
-        said = [line for line in log.splitlines() if "TrainingRaised: the training function raised at 3 entries" in line]
+        said = [line for line in log.splitlines() if "TrainingRaised: the training function raised at 3" in line]
         assert said and "(the last: rank 0: ValueError: injected at step " in said[-1], log[-3000:]  # the cause
     entries = sorted({(r["process"], r["iteration"]) for r in progress(out) if r.get("event") == "group"})
     assert entries == [(p, i) for p in (0, 2) for i in range(3)], entries  # the ranks' processes, 3 entries each

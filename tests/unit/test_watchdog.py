@@ -345,3 +345,71 @@ def test_a_process_that_left_unwatched_is_forgotten_and_not_taken_along_by_anoth
             clock["now"] += 100.0  # far past every deadline and allowance
             dog.look()
         assert all(pid != 61 for pid, _ in signals), signals
+
+
+class Header:
+    def __init__(self) -> None:
+        self.comm_inflight = 0
+
+
+def test_a_hang_kills_the_rank_that_never_reached_the_collective_not_those_waiting_for_it(monkeypatch):
+    """A hang stops every rank of the job together: the hung one in its own code, the others waiting in the
+    collective for it (their marks say one is on the wire). Only the hung one is killed: a launcher restarts every
+    rank whichever dies, and the in-process engine keeps the others in their processes (killing every local rank,
+    as before, cost each node its ranks there and left no spare). A node whose ranks all wait leaves the act to the
+    node they wait for, and kills them one deadline later if no restart came."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    keys = [ShardKey("j", r, 4) for r in range(4)]
+    shards = {k: FakeSlots(5000 + k.rank, 1000.0) for k in keys}
+    for s in shards.values():
+        s.headers = [Header()]
+    node0, node1 = {k: shards[k] for k in keys[:2]}, {k: shards[k] for k in keys[2:]}
+    cfg = DaemonConfig(hang_floor=2.0, hang_startup=30.0)
+    dog0, clock, signals0 = make(cfg, node0)
+    dog1, _, signals1 = make(cfg, node1)
+    dog1.clock = dog0.clock  # one clock for both nodes
+    for v in range(1, 8):
+        clock["now"] += 0.1
+        for s in shards.values():
+            s.commit(v, clock["now"])
+        dog0.look()
+        dog1.look()
+    for r in (0, 2, 3):  # rank 1 hangs in its own code; the others wait for it in DDP's all-reduce
+        shards[keys[r]].headers[0].comm_inflight = 1
+    clock["now"] += 2.1
+    dog0.look()
+    dog1.look()
+    assert signals0 == [(5001, signal.SIGKILL)]  # the hung rank alone
+    assert signals1 == []  # both wait on the wire: the rank they wait for is node 0's
+    clock["now"] += 1.0  # the restart has not come yet: node 1 waits one more deadline
+    dog1.look()
+    assert signals1 == []
+    clock["now"] += 1.5  # past it: a hang inside the collectives themselves, as far as node 1 can tell
+    dog1.look()
+    assert sorted(signals1) == [(5002, signal.SIGKILL), (5003, signal.SIGKILL)]
+    clock["now"] += 10
+    dog0.look()
+    assert signals0 == [(5001, signal.SIGKILL)]  # rank 0, waiting, was not taken for the hang's
+
+
+def test_ranks_waiting_on_the_wire_are_not_killed_when_the_restart_comes_before_their_second_deadline(monkeypatch):
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    keys = [ShardKey("j", r, 2) for r in range(2)]
+    shards = {k: FakeSlots(6000 + k.rank, 1000.0) for k in keys}
+    for s in shards.values():
+        s.headers = [Header()]
+        s.headers[0].comm_inflight = 0
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
+    together(dog, clock, shards, 7, 0.1)
+    for s in shards.values():
+        s.headers[0].comm_inflight = 1
+    clock["now"] += 2.1
+    dog.look()
+    assert not signals
+    for s in shards.values():  # the other node's rank was killed; the engine's restart: each left its step
+        s.headers[0].comm_inflight = 0
+        s.record, s.count = WorkerRecord(s.record.pid, clock["now"], 0.0, ""), 0  # as set_left writes it
+    for _ in range(8):
+        clock["now"] += 0.5
+        dog.look()
+    assert not signals and not dog.deferred
