@@ -35,6 +35,27 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def drop_pool_if_wedged() -> bool:
+    """Drops the codec's pool if a lock of it is held while no thread may be in it (where an asynchronous exception,
+    the in-process engine's restart, landed inside ``submit``: the lock stays held, and the next commit or restore
+    would wait on it forever); the next use makes a new one. Call on the thread that uses the pool, between uses.
+    True if it was dropped (its threads are left as they are)."""
+    global _POOL
+    pool = _POOL
+    if pool is None:
+        return False
+    locks = [getattr(pool, "_shutdown_lock", None), getattr(getattr(pool, "_idle_semaphore", None), "_cond", None)]
+    if not any(lock is not None and _held(lock) for lock in locks):
+        return False
+    _POOL = None  # no lock taken: _POOL_LOCK may be the one held
+    return True
+
+
+def _held(lock) -> bool:
+    inner = getattr(lock, "_lock", lock)  # a Condition's own lock
+    return bool(getattr(inner, "locked", lambda: False)())
+
+
 def use_threads(n: int) -> None:
     """The codec's pool from now on: ``n`` threads (0: ``Config.codec_threads``, else the cores). For the
     benchmarks, which compare thread counts in one process."""

@@ -118,3 +118,22 @@ def test_an_asynchronous_exception_inside_a_handlers_lock_leaves_it_held_until_r
         assert logs_from_another_thread(lg)
     finally:
         lg.removeHandler(handler)
+
+
+def test_the_codec_pool_with_a_lock_left_held_is_replaced_and_the_next_commit_does_not_wait_on_it():
+    """An asynchronous exception landing in the codec pool's ``submit`` (measured: its semaphore's lock left held in 50
+    landings of 360) leaves a lock the next commit or restore would wait on forever: the finalize drops that pool,
+    and the next use makes a new one. A pool with nothing held is kept."""
+    from ffstate.codec import backend
+
+    pool = backend._pool()
+    assert ReleaseLoggingLocks()(None) is None and backend._pool() is pool  # nothing held: kept
+    pool._idle_semaphore._cond.acquire()  # as the landing leaves it
+    try:
+        ReleaseLoggingLocks()(None)
+        fresh = backend._pool()
+        assert fresh is not pool
+        assert backend._map(lambda x: x * 2, range(4)) == [0, 2, 4, 6]  # the new pool works
+    finally:
+        pool._idle_semaphore._cond.release()
+        pool.shutdown(wait=False)
