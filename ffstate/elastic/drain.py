@@ -69,8 +69,10 @@ def target(daemon: str | None, job: str, token: str) -> tuple[str, str, str]:
                                + (f" for job {job} (daemons of job(s) {', '.join(others)} do)" if others else "")
                                + ": name one with --daemon HOST:PORT")
         if len(found) > 1:
-            raise FFStateError(f"several daemons run on this machine ({[(f.job, f.address) for f in found]}): name one "
-                               "with --daemon or --job")
+            several = ", ".join(f"{f.address} (job {f.job}, node {f.node_id})" for f in found)
+            apart = len({f.job for f in found}) == len(found) and not job  # a job each: --job picks one
+            raise FFStateError(f"several daemons run on this machine: {several}; name one with --daemon HOST:PORT"
+                               + (" or --job" if apart else " (they serve one job: --job does not choose)"))
         daemon, job = found[0].address, job or found[0].job
     token = token or next((f.token for f in found if f.address == daemon and f.token), "")
     if not token:
@@ -88,14 +90,16 @@ def main(args) -> int:
         address, token, job = target(args.daemon, args.job or "", token)
         if args.cancel:
             got = cancel_drain(address, token, job)
-            print(f"{address}: drain {got.state}: {got.message}")
+            print(f"{address}: {got.message}" if got.message.startswith(got.state) else
+                  f"{address}: drain {got.state}: {got.message}")
             return 0
         seen = []
 
         def show(r: DrainReport) -> None:
-            line = (f"{address}: {r.state}" + (f" at step {r.version}" if r.version else "") + "; ranks (committed/"
-                    "replicated/stopped): " + ", ".join(f"{x.shard.rank}:{x.committed}/{x.replicated}/{x.stopped_at}"
-                                                         for x in r.ranks))
+            line = f"{address}: {r.state}" + (f" at step {r.version}" if r.version else "")
+            if r.ranks:  # a report after the drain ended may name none: the ranks have detached
+                line += "; ranks (committed/replicated/stopped): " + ", ".join(
+                    f"{x.shard.rank}:{x.committed}/{x.replicated}/{x.stopped_at}" for x in r.ranks)
             if not seen or seen[-1] != line:
                 seen.append(line)
                 print(line, flush=True)

@@ -136,3 +136,20 @@ def test_a_drain_after_a_resize_ignores_the_old_world_s_copy_and_asks_a_restarte
         worker.set_drained(7)
         until(drainer, "drained")
         assert drainer.report("j").version == 7
+
+
+def test_several_daemons_of_one_job_on_a_machine_are_named_and_the_hint_is_one_that_works(monkeypatch):
+    """Simulated nodes: two daemons of one job on one machine. The hint said "--daemon or --job", and --job chose
+    nothing; it names each daemon, and says so."""
+    import pytest
+
+    from ffstate.daemon import running
+    from ffstate.elastic.drain import target
+    from ffstate.errors import FFStateError
+
+    found = [running.Found("127.0.0.1:7700", "t", "j", "node0", 1), running.Found("127.0.0.1:7701", "t", "j", "node1", 2)]
+    monkeypatch.setattr(running, "local_daemons", lambda job="": found)
+    for job in ("", "j"):
+        with pytest.raises(FFStateError, match=r"127\.0\.0\.1:7701 \(job j, node node1\).*--job does not choose"):
+            target(None, job, "")
+    assert target("127.0.0.1:7701", "j", "") == ("127.0.0.1:7701", "t", "j")
