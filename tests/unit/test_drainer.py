@@ -147,7 +147,8 @@ def test_several_daemons_of_one_job_on_a_machine_are_named_and_the_hint_is_one_t
     from ffstate.elastic.drain import target
     from ffstate.errors import FFStateError
 
-    found = [running.Found("127.0.0.1:7700", "t", "j", "node0", 1), running.Found("127.0.0.1:7701", "t", "j", "node1", 2)]
+    found = [running.Found("127.0.0.1:7700", "t", "j", "node0", 1),
+             running.Found("127.0.0.1:7701", "t", "j", "node1", 2)]
     monkeypatch.setattr(running, "local_daemons", lambda job="": found)
     for job in ("", "j"):
         with pytest.raises(FFStateError, match=r"127\.0\.0\.1:7701 \(job j, node node1\).*--job does not choose"):
