@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -35,25 +36,35 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
-def drop_pool_if_wedged() -> bool:
-    """Drops the codec's pool if a lock of it is held while no thread may be in it (where an asynchronous exception,
-    the in-process engine's restart, landed inside ``submit``: the lock stays held, and the next commit or restore
-    would wait on it forever); the next use makes a new one. Call on the thread that uses the pool, between uses.
-    True if it was dropped (its threads are left as they are)."""
-    global _POOL
+LEAK_WAIT = 0.2  # seconds a lock of the pool must stay held, with no use of the pool under way, to count as leaked
+
+
+def release_leaked_pool_locks() -> list[str]:
+    """Releases the codec pool's locks that an asynchronous exception left held (the in-process engine's restart,
+    landing inside ``submit``: measured, 50 landings of 360 there left its semaphore's lock held), which the next
+    commit or restore, and every worker that finishes a task, would wait on forever (the process could not even
+    exit). Call on the thread that uses the pool, between uses: a worker holds these locks for microseconds, so one
+    held for ``LEAK_WAIT`` is leaked. They are plain locks: any thread may release them. Returns which."""
     pool = _POOL
     if pool is None:
-        return False
-    locks = [getattr(pool, "_shutdown_lock", None), getattr(getattr(pool, "_idle_semaphore", None), "_cond", None)]
-    if not any(lock is not None and _held(lock) for lock in locks):
-        return False
-    _POOL = None  # no lock taken: _POOL_LOCK may be the one held
-    return True
+        return []
+    semaphore = getattr(getattr(pool, "_idle_semaphore", None), "_cond", None)
+    released = []
+    for name, lock in (("shutdown lock", getattr(pool, "_shutdown_lock", None)),
+                       ("idle semaphore's lock", getattr(semaphore, "_lock", None))):
+        if lock is not None and _held_for(lock, LEAK_WAIT):
+            lock.release()
+            released.append(name)
+    return released
 
 
-def _held(lock) -> bool:
-    inner = getattr(lock, "_lock", lock)  # a Condition's own lock
-    return bool(getattr(inner, "locked", lambda: False)())
+def _held_for(lock, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while lock.locked():
+        if time.monotonic() > deadline:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def use_threads(n: int) -> None:

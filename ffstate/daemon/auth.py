@@ -6,7 +6,8 @@ takes one request, waits on that thread for the request before its handler runs.
 health check that did, would let a caller with no token hold every thread with calls that never send a message,
 and every RPC of the job would then queue behind them. Both are answered here without reading anything: the
 refusal by a request-streaming handler that aborts at once, ``Check`` by one that answers SERVING (the daemon
-serves its one service whenever it answers at all; ``Watch`` is gRPC's own).
+serves its one service whenever it answers at all). ``Watch`` is gRPC's own handler, which waits for its request:
+it needs the token.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _serving(requests: Any, context: grpc.ServicerContext) -> health_pb2.HealthC
 
 class TokenInterceptor(grpc.ServerInterceptor):
     """UNAUTHENTICATED, before any handler runs and without reading the request, for a call without the job's token;
-    health checks pass without one (``Check`` answered without reading its request)."""
+    a health ``Check`` passes without one (answered without reading its request; ``Watch``, gRPC's own, needs it)."""
 
     def __init__(self, token: str, on_refuse: Callable[[str], None] = lambda status: None):
         self._token, self._on_refuse = token, on_refuse
@@ -53,9 +54,7 @@ class TokenInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         if details.method == HEALTH + "Check":
             return self._check
-        if details.method.startswith(HEALTH):
-            return continuation(details)
-        meta = dict(details.invocation_metadata or ())
+        meta = dict(details.invocation_metadata or ())  # Watch too: gRPC's own handler waits for its request
         if hmac.compare_digest(str(meta.get(wire.TOKEN_KEY, "")).encode(), self._token.encode()):
             return continuation(details)
         self._note(details.method)

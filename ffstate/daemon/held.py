@@ -31,6 +31,7 @@ class Replica:
     updated: float
     history: collections.deque = field(default_factory=collections.deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gone: bool = False  # dropped or replaced, under the store's lock: whoever holds it stops
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,7 @@ from ffstate.bulk.server import BulkServer
 from ffstate.config import DaemonConfig
 from ffstate.daemon.auth import TokenInterceptor
 from ffstate.daemon.node import MAX_MANIFEST_BYTES, Node
-from ffstate.daemon.store import MAX_CHUNKS
+from ffstate.daemon.checks import MAX_CHUNKS
 from ffstate.daemon.held import IncomingChunk
 from ffstate.errors import CodecError, FFStateError, ReplicaError, SlotError
 from ffstate.ids import ShardKey, check_id

@@ -18,9 +18,8 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from ffstate import codec
-from ffstate import checksum
 from ffstate.codec import Chunk, Packed, Snapshot, host
-from ffstate.codec.chunks import other_format
+from ffstate.daemon.checks import check_first, check_next, verify_one
 from ffstate.daemon.held import Delta, IncomingChunk, Replica, Staging
 from ffstate.daemon.making import stream
 from ffstate.daemon.served import Lease, Served
@@ -29,7 +28,6 @@ from ffstate.ids import ShardKey
 
 log = logging.getLogger("ffstate.daemon.store")
 
-MAX_CHUNKS = 1 << 20
 # Bytes a staged chunk costs the daemon beside its payload (its message, Chunk, memoryview and list slot;
 # measured: 200,000 empty chunks took about 200 MB), counted against the budget with the payload.
 CHUNK_BOOKKEEPING = 1 << 10
@@ -48,7 +46,7 @@ class Store:
         self._room = threading.Condition(self._lock)  # notified as bytes are given back
         self._replicas: dict[ShardKey, Replica] = {}
         self._staged: dict[ShardKey, Staging] = {}
-        self._committing: dict[ShardKey, Staging] = {}  # popped from _staged, being decoded: a drop marks them
+        self._committing: dict[ShardKey, list[Staging]] = {}  # popped from _staged, being decoded: a drop marks them
         # The encodings being served, and the last one kept: counted while they live (``served.py``).
         self.served = Served(self.reserve, self.release)
 
@@ -95,12 +93,14 @@ class Store:
         try:
             for c in it:
                 if first is None:
-                    first = self._check_first(c)
-                _check_next(first, c, len(received), self.max_chunk_bytes)
+                    with self._lock:
+                        held = self._replicas.get(c.key)
+                    first = check_first(c, held)
+                check_next(first, c, len(received), self.max_chunk_bytes)
                 self.reserve(len(c.payload) + CHUNK_BOOKKEEPING, f"chunk {c.index} of {c.key} version {c.version}")
                 reserved += len(c.payload) + CHUNK_BOOKKEEPING
                 chunk = Chunk(c.index, c.count, c.checksum, memoryview(c.payload))
-                _verify_one(chunk)
+                verify_one(chunk)
                 received.append(chunk)
                 if c.index == 0:
                     head = Packed([chunk])
@@ -122,35 +122,15 @@ class Store:
             self.release(old.reserved)
         return first.key, first.version, sum(len(c.payload) for c in received)
 
-    def _check_first(self, c: IncomingChunk) -> IncomingChunk:
-        if c.version <= 0:
-            raise ReplicaError(f"version must be > 0, got {c.version}", "INVALID_ARGUMENT")
-        if not 0 < c.count <= MAX_CHUNKS:
-            raise ReplicaError(f"chunk count {c.count} is out of range (1..{MAX_CHUNKS})", "INVALID_ARGUMENT")
-        if c.base_version:
-            with self._lock:
-                held = self._replicas.get(c.key)
-            if held is None:
-                raise ReplicaError(f"version gap: {c.key} version {c.version} is a delta against version "
-                                   f"{c.base_version}, and nothing is held here; push a full version",
-                                   "FAILED_PRECONDITION")
-            if held.version != c.base_version:
-                raise ReplicaError(f"version gap: {c.key} version {c.version} is a delta against version "
-                                   f"{c.base_version}, this daemon holds version {held.version}",
-                                   "FAILED_PRECONDITION")
-            if c.version <= c.base_version:
-                raise ReplicaError(f"a delta must move forward: version {c.version} on base {c.base_version}",
-                                   "INVALID_ARGUMENT")
-        return c
-
     def _check_header(self, first: IncomingChunk, head: Packed) -> int:
         """Validates chunk 0 against what is held; returns the bytes reserved for a full version's buffer."""
         try:
             header = head.header
         except CodecError as e:
             raise ReplicaError(f"malformed header chunk: {e}", "INVALID_ARGUMENT") from None
-        if header["chunk_bytes"] > self.max_chunk_bytes:  # a segment's size: what decoding one allocates
-            raise ReplicaError(f"segments of {header['chunk_bytes']} bytes: more than the limit {self.max_chunk_bytes}",
+        limit = max(self.max_chunk_bytes, codec.DEFAULT_CHUNK_BYTES)  # the encoders' segments: 1 MiB at most
+        if header["chunk_bytes"] > limit:  # a segment's size: what decoding one allocates
+            raise ReplicaError(f"segments of {header['chunk_bytes']} bytes: more than the limit {limit}",
                                "RESOURCE_EXHAUSTED")
         if (header["kind"] == "full") != (first.base_version == 0):
             raise ReplicaError(f"header says {header['kind']} but base_version is {first.base_version}",
@@ -160,7 +140,7 @@ class Store:
             return int(header["nbytes"])
         with self._lock:
             held = self._replicas.get(first.key)
-        assert held is not None  # checked by _check_first
+        assert held is not None  # checked by check_first
         if header["layout_id"] != held.snapshot.manifest.layout_id:
             raise ReplicaError(f"the delta is for layout {header['layout_id']}, {first.key} here has layout "
                                f"{held.snapshot.manifest.layout_id}: the model changed; push a full version",
@@ -179,7 +159,7 @@ class Store:
                 raise ReplicaError(f"cannot commit {key} version {version}: {have} is staged", "FAILED_PRECONDITION")
             del self._staged[key]
             held = self._replicas.get(key)
-            self._committing[key] = staging
+            self._committing.setdefault(key, []).append(staging)
         try:
             if staging.base_version == 0:
                 return self._commit_full(staging, held)
@@ -193,7 +173,8 @@ class Store:
             raise
         finally:
             with self._lock:
-                if self._committing.get(key) is staging:
+                self._committing[key].remove(staging)
+                if not self._committing[key]:
                     del self._committing[key]
 
     def _commit_full(self, staging: Staging, held: Replica | None) -> tuple[int, int]:
@@ -202,6 +183,8 @@ class Store:
         with self._lock:
             _still(staging, held, self._replicas)
             self._replicas[staging.key] = new
+            if held is not None:
+                held.gone = True
         if held is not None:
             with held.lock:  # after a step-back under way on it, which gives back its own deltas
                 old = held.nbytes
@@ -216,6 +199,7 @@ class Store:
             raise ReplicaError(f"{staging.key} moved on while version {staging.version} was staged",
                                "FAILED_PRECONDITION")
         with held.lock:
+            _still(staging, held, self._replicas)  # read without the store's lock: a drop sets ``gone`` under it
             before = held.snapshot.manifest.scalars
             held.snapshot = codec.decode_snapshot(staging.packed, held.snapshot, inplace=True)
             with self._lock:
@@ -265,7 +249,7 @@ class Store:
         self.reserve(bound, what, SERVE_WAIT)  # off the replica's lock: a push to it goes on meanwhile
         held.lock.acquire()
         try:
-            if version not in held.versions:  # stepped back or replaced meanwhile
+            if held.gone or version not in held.versions:  # stepped back, replaced or dropped meanwhile
                 raise ReplicaError(f"{key} version {version} is no longer held here", "NOT_FOUND")
             checksum = held.snapshot.checksum
             if part and version == held.version:
@@ -285,6 +269,8 @@ class Store:
         """Reverts the replica in place to ``version``, dropping the newer deltas."""
         held = self._get(key)
         with held.lock:
+            if held.gone:  # dropped or replaced meanwhile: its bytes are given back already
+                raise ReplicaError(f"no replica of {key} is held here any more", "NOT_FOUND")
             if version not in held.versions:
                 raise ReplicaError(f"cannot step {key} back to version {version}: it can go back to "
                                    f"{held.versions}", "NOT_FOUND")
@@ -306,8 +292,10 @@ class Store:
                     and (rank is None or k.rank == rank) and (world is None or k.world_size == world)]
             gone = [self._replicas.pop(k, None) for k in keys]
             staged = [self._staged.pop(k, None) for k in keys]
-            for c in filter(None, map(self._committing.get, keys)):
+            for c in [c for k in keys for c in self._committing.get(k, [])]:
                 c.dropped = True  # its commit gives its bytes back and keeps nothing
+            for r in filter(None, gone):
+                r.gone = True  # a fetch, a step-back or a delta's commit that has it already stops
             self._used -= self.served.forget(set(keys))
         freed = 0
         for r in filter(None, gone):
@@ -337,22 +325,6 @@ class Store:
         return [(s.key, s.version) for s in gone]
 
 
-def _check_next(first: IncomingChunk, c: IncomingChunk, expected: int, max_chunk_bytes: int) -> None:
-    if (c.key, c.version, c.base_version, c.count) != (first.key, first.version, first.base_version, first.count):
-        raise ReplicaError(f"chunk {c.index} belongs to {c.key} version {c.version} (base {c.base_version}, "
-                           f"{c.count} chunks), the stream started {first.key} version {first.version} "
-                           f"(base {first.base_version}, {first.count} chunks)", "INVALID_ARGUMENT")
-    if c.index >= c.count:
-        raise ReplicaError(f"chunk {c.index} is past the version's {c.count} chunks", "INVALID_ARGUMENT")
-    if c.index < expected:
-        raise ReplicaError(f"duplicate chunk {c.index} (expected chunk {expected})", "INVALID_ARGUMENT")
-    if c.index != expected:
-        raise ReplicaError(f"chunk {c.index} out of order: expected chunk {expected}", "INVALID_ARGUMENT")
-    if len(c.payload) > max_chunk_bytes:
-        raise ReplicaError(f"chunk {c.index} has {len(c.payload)} bytes, more than the limit "
-                           f"{max_chunk_bytes}", "RESOURCE_EXHAUSTED")
-
-
 def _row(k: ShardKey, r: Replica | None, s: Staging | None) -> dict[str, Any]:
     """One shard's row of ``Store.inventory``."""
     staged = {"staged_version": s.version, "staged_bytes": s.reserved} if s else {}
@@ -367,16 +339,6 @@ def _still(staging: Staging, held: Replica | None, replicas: dict[ShardKey, Repl
     if staging.dropped or replicas.get(staging.key) is not held:
         raise ReplicaError(f"{staging.key} was dropped or replaced while version {staging.version} was committed",
                            "FAILED_PRECONDITION")
-
-
-def _verify_one(chunk: Chunk) -> None:
-    """The checksum of one chunk, as it arrives (the list as a whole is checked again at commit)."""
-    got = checksum.checksum(chunk.payload)
-    if got != chunk.checksum:
-        if (why := other_format(chunk)) is not None:
-            raise ReplicaError(why, "INVALID_ARGUMENT")
-        raise ReplicaError(f"chunk {chunk.index} of {chunk.count} is corrupted: checksum {got:016x}, expected "
-                           f"{chunk.checksum:016x}", "DATA_LOSS")
 
 
 def _encode(held: Replica, version: int, reserve: Callable[[int, str], None], release: Callable[[int], None]) -> Packed:

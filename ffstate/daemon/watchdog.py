@@ -287,7 +287,7 @@ class Watchdog:
         for key in sorted(local):
             path = paths.get(key)
             text = _read_from(path, sizes.get(key, 0)) if path is not None else ""
-            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "is hung" if key in victims else "waits",
+            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "waits" if local[key].inflight else "is hung",
                       where(text) if text else "no stack written",
                       f" (all threads: {path})" if text else "")
         if self.cfg.hang_action == "kill":
@@ -304,11 +304,15 @@ class Watchdog:
         on the wire. The stuck ranks that do not are the hang's (a launcher restarts every rank whichever dies; the
         in-process engine keeps the others in their processes). If every one waits, the rank they wait for is on
         another node, whose daemon acts for it; past one more ``deadline`` with no restart, every local rank of the
-        job is killed (a hang inside the collectives themselves). [] while it waits."""
+        job is killed (a hang inside the collectives themselves), at once where the job has no other node. Under
+        ``hang_action=log``, every local rank (their stacks, once). [] while it waits."""
+        if not stuck:
+            return []
         own = [k for k in stuck if not local[k].inflight]
-        if own:
+        alone = sum(k.job_id == job for k in self.ranks) >= stuck[0].world_size  # no rank of the job on another node
+        if own or alone or self.cfg.hang_action != "kill":  # under "log", the stacks of every rank, once
             self.deferred.pop(job, None)
-            return own
+            return own if own and self.cfg.hang_action == "kill" else list(local)
         since = self.deferred.setdefault(job, now)
         if now - since < deadline:
             if since == now:

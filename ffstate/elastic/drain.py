@@ -70,9 +70,10 @@ def target(daemon: str | None, job: str, token: str) -> tuple[str, str, str]:
                                + ": name one with --daemon HOST:PORT")
         if len(found) > 1:
             several = ", ".join(f"{f.address} (job {f.job}, node {f.node_id})" for f in found)
-            apart = len({f.job for f in found}) == len(found) and not job  # a job each: --job picks one
+            jobs = len({f.job for f in found})  # --job narrows the daemons to one job's, and does no more
             raise FFStateError(f"several daemons run on this machine: {several}; name one with --daemon HOST:PORT"
-                               + (" or --job" if apart else " (they serve one job: --job does not choose)"))
+                               + (" (or --job, where it is the only one of its job)" if jobs > 1 else
+                                  " (they serve one job: --job does not choose)"))
         daemon, job = found[0].address, job or found[0].job
     token = token or next((f.token for f in found if f.address == daemon and f.token), "")
     if not token:

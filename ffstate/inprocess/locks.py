@@ -10,9 +10,10 @@ main thread can still log (the lock is reentrant); every other thread that logs 
 Seen once in a run of the in-process test (rank 2's process: the root handler's lock owned by its main thread, count
 1, while that thread waited for its monitor thread, which waited for the lock inside ``GroupAbort``). After each
 restart, on the main thread, where no logging call is under way, the locks it still holds are leaked ones:
-``ReleaseLoggingLocks`` releases them, before any other thread needs them; and it replaces the codec's thread pool if
-one of its locks is held (a restart that landed in its ``submit``: measured, 50 landings of 360 in that call left its
-semaphore's lock held), which the next commit or restore would wait on forever.
+``ReleaseLoggingLocks`` releases them, before any other thread needs them; and the codec thread pool's locks held for
+``backend.LEAK_WAIT`` (a restart that landed in its ``submit``: measured, 50 landings of 360 in that call left its
+semaphore's lock held), which the next commit or restore, and the pool's workers at the process's exit, would wait
+on forever.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class ReleaseLoggingLocks(inprocess.finalize.Finalize):
                         ", ".join(released))
         from ffstate.codec import backend
 
-        if backend.drop_pool_if_wedged():  # the same hazard, in the codec's thread pool: a new one for the next entry
-            log.warning("the codec's thread pool had a lock held by the restart's asynchronous exception: replaced")
+        if pool := backend.release_leaked_pool_locks():  # the same hazard, in the codec's thread pool
+            log.warning("released the codec pool's %s, which the restart's asynchronous exception left held",
+                        " and ".join(pool))
         return state

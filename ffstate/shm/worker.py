@@ -74,6 +74,7 @@ class WorkerFields:
         h.stacks_len = 0
         h.alive_ns = time.time_ns()
         h.commit_count = 0
+        h.comm_inflight = 0  # a collective the abort ended after the marks were detached: not a wait (the watchdog)
         if not watched:
             h.worker_pid = 0
 

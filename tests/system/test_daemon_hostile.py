@@ -342,7 +342,9 @@ def test_calls_without_the_token_that_never_send_a_request_cannot_take_the_daemo
         checks = [attacker.stream_unary("/grpc.health.v1.Health/Check",
                                         response_deserializer=health_pb2.HealthCheckResponse.FromString
                                         ).future(never(), timeout=60) for _ in range(10)]
-        fetches = [attacker.stream_stream("/ffstate.v1.Replica/Fetch")(never(), timeout=60) for _ in range(10)]
+        fetches = [attacker.stream_stream(f"/{m}")(never(), timeout=60) for m in ("ffstate.v1.Replica/Fetch",
+                                                                                   "grpc.health.v1.Health/Watch")
+                   for _ in range(5)]
         time.sleep(1.0)  # every call at the daemon
         assert pb_grpc.ReplicaStub(channel).Inventory(pb.InventoryRequest(), metadata=META, timeout=5).node_id
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == 1
@@ -356,11 +358,11 @@ def test_calls_without_the_token_that_never_send_a_request_cannot_take_the_daemo
         release.set()
         attacker.close()
         channel.close()
-    assert d.log().count("missing or wrong token") < 10  # 40 refused within a second or two
+    assert d.log().count("missing or wrong token") < 10  # 45 refused within a second or two
 
 
 def test_a_fetch_naming_more_chunks_than_a_version_can_have_is_refused_before_they_are_listed(held):
-    from ffstate.daemon.store import MAX_CHUNKS
+    from ffstate.daemon.checks import MAX_CHUNKS
 
     d, stub, before, _ = held
     # 1M + 1 indices (a 3 MB request: 15x that as a list of ints, before) and one far past the version's end

@@ -120,20 +120,23 @@ def test_an_asynchronous_exception_inside_a_handlers_lock_leaves_it_held_until_r
         lg.removeHandler(handler)
 
 
-def test_the_codec_pool_with_a_lock_left_held_is_replaced_and_the_next_commit_does_not_wait_on_it():
+def test_the_codec_pools_lock_left_held_is_released_and_its_workers_and_the_next_commit_go_on():
     """An asynchronous exception landing in the codec pool's ``submit`` (measured: its semaphore's lock left held in 50
-    landings of 360) leaves a lock the next commit or restore would wait on forever: the finalize drops that pool,
-    and the next use makes a new one. A pool with nothing held is kept."""
+    landings of 360) leaves a lock that the next commit or restore, and each worker finishing a task, would wait on
+    forever: at exit the process could not join them. The finalize releases it; a pool with nothing held is left."""
     from ffstate.codec import backend
 
+    backend.use_threads(2)
     pool = backend._pool()
-    assert ReleaseLoggingLocks()(None) is None and backend._pool() is pool  # nothing held: kept
-    pool._idle_semaphore._cond.acquire()  # as the landing leaves it
-    try:
-        ReleaseLoggingLocks()(None)
-        fresh = backend._pool()
-        assert fresh is not pool
-        assert backend._map(lambda x: x * 2, range(4)) == [0, 2, 4, 6]  # the new pool works
-    finally:
-        pool._idle_semaphore._cond.release()
-        pool.shutdown(wait=False)
+    assert ReleaseLoggingLocks()(None) is None and backend._pool() is pool
+    lock = pool._idle_semaphore._cond._lock
+    done = pool.submit(lambda: time.sleep(0.3) or 7)
+    lock.acquire()  # as a landing in the next submit leaves it, this task under way
+    assert done.result(10) == 7  # the task ran; its worker now waits for the lock, to count itself idle
+    ReleaseLoggingLocks()(None)
+    assert not lock.locked() and backend._pool() is pool
+    assert backend._map(lambda x: x * 2, range(4)) == [0, 2, 4, 6]
+    ended = threading.Thread(target=backend.use_threads, args=(0,))  # shuts the pool down: joins its workers
+    ended.start()
+    ended.join(10)
+    assert not ended.is_alive()

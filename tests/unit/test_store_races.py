@@ -165,3 +165,72 @@ def test_a_version_whose_segments_are_larger_than_the_chunk_limit_is_refused_bef
     assert e.value.code == "RESOURCE_EXHAUSTED" and store.used == before
     assert segment._scratch(16 << 20).size == 16 << 20 and segment._scratch(1).base.size < 16 << 20  # not kept
     assert isinstance(np.empty(0), np.ndarray)
+
+
+def test_a_step_back_or_a_fetch_meeting_a_drop_stops_and_counts_nothing_twice(monkeypatch):
+    """A step-back that got the replica before a drop took it: the drop gave its bytes (its deltas among them) back,
+    and the step-back gave the deltas back again (the budget went to -2.4 MB in the review's run). A replica dropped
+    or replaced is marked under the store's lock; whoever holds it already stops (NOT_FOUND)."""
+    store, states = _holding()
+    _stage(store, codec.encode(_state(1), states[0], chunk_bytes=CHUNK), 2, base=1)
+    store.commit(KEY, 2)
+    got = store._get
+    dropped = []
+
+    def get_then_drop(key):
+        held = got(key)
+        if not dropped:
+            dropped.append(store.drop("races"))  # between the lookup and the replica's lock
+        return held
+
+    monkeypatch.setattr(store, "_get", get_then_drop)
+    with pytest.raises(ReplicaError, match="any more") as e:
+        store.step_back(KEY, 1)
+    assert e.value.code == "NOT_FOUND" and dropped == [1] and store.used == 0
+    store2, _ = _holding()
+    held = store2._get(KEY)
+    store2.drop("races")
+    monkeypatch.setattr(store2, "_get", lambda key: held)  # a fetch that got it before the drop
+    with pytest.raises(ReplicaError, match="no longer held") as e:
+        store2.fetch(KEY, 1)
+    assert e.value.code == "NOT_FOUND" and store2.used == 0
+
+
+def test_two_first_commits_of_a_shard_and_a_drop_between_them_keep_nothing(monkeypatch):
+    """Two full versions of a shard not held yet, committed at once; the second lands, the job is dropped, then the
+    first would land: both commits are marked by the drop, so nothing comes back after it."""
+    store = Store(1 << 30)
+    for v in (1, 2):
+        _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
+        if v == 1:
+            first = store._staged.pop(KEY)
+    decoding, go = threading.Event(), threading.Event()
+    decode = codec.decode_snapshot
+
+    def slow_decode(*args, **kwargs):
+        if threading.current_thread().name == "first":
+            decoding.set()
+            assert go.wait(30)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "decode_snapshot", slow_decode)
+    errors: list = []
+    second = store._staged.pop(KEY)
+
+    def commit_first() -> None:
+        store._staged[KEY] = first
+        try:
+            store.commit(KEY, 1)
+        except ReplicaError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=commit_first, name="first")
+    t.start()
+    assert decoding.wait(30)
+    store._staged[KEY] = second
+    store.commit(KEY, 2)
+    assert store.drop("races") == 1
+    go.set()
+    t.join(30)
+    assert errors and errors[0].code == "FAILED_PRECONDITION"
+    assert store.inventory() == [] and store.used == 0

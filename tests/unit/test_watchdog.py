@@ -394,7 +394,7 @@ def test_a_hang_kills_the_rank_that_never_reached_the_collective_not_those_waiti
 
 def test_ranks_waiting_on_the_wire_are_not_killed_when_the_restart_comes_before_their_second_deadline(monkeypatch):
     monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
-    keys = [ShardKey("j", r, 2) for r in range(2)]
+    keys = [ShardKey("j", r, 4) for r in range(2)]  # ranks 2 and 3 on another node
     shards = {k: FakeSlots(6000 + k.rank, 1000.0) for k in keys}
     for s in shards.values():
         s.headers = [Header()]
@@ -413,3 +413,24 @@ def test_ranks_waiting_on_the_wire_are_not_killed_when_the_restart_comes_before_
         clock["now"] += 0.5
         dog.look()
     assert not signals and not dog.deferred
+
+
+def test_a_one_node_job_whose_ranks_all_wait_is_killed_at_once_and_log_only_names_every_rank_once(monkeypatch):
+    """No other node to act: every rank waiting on the wire (a hang inside the collective itself) is killed at its
+    deadline, not one later. Under hang_action=log nothing is killed and each rank's stacks are asked for once."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    for action, expected in (("kill", signal.SIGKILL), ("log", None)):
+        keys = [ShardKey("j", r, 2) for r in range(2)]
+        shards = {k: FakeSlots(7000 + k.rank, 1000.0) for k in keys}
+        for s in shards.values():
+            s.headers = [Header()]
+        dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0, hang_action=action), shards)
+        together(dog, clock, shards, 7, 0.1)
+        for s in shards.values():
+            s.headers[0].comm_inflight = 1
+        for _ in range(12):
+            clock["now"] += 0.5
+            dog.look()
+        kills = sorted(pid for pid, sig in signals if sig == signal.SIGKILL)
+        assert kills == ([7000, 7001] if expected else []), (action, signals)
+        assert not dog.deferred
