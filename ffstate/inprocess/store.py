@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from ffstate.daemon import running
+
 log = logging.getLogger("ffstate.inprocess")
 
 IDLE_EXIT = 60.0  # seconds with no heartbeat from any process of the job before the stores go
@@ -95,7 +97,7 @@ def ensure(host: str, port: int, run_dir: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if listening(host, port):
-                if not _alive(_pid(ready)):  # the job's host writes it before anyone may connect, and keeps it
+                if not running.alive(_pid(ready)):  # the job's host writes it before anyone may connect, and keeps it
                     raise RuntimeError(f"another program listens at {host}:{port}, MASTER_PORT: the job's stores need "
                                        f"it and the next port free")
                 return
@@ -125,18 +127,6 @@ def _pid(ready: Path) -> int:
         return int(ready.read_text())
     except (OSError, ValueError):
         return 0
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _tail(path: Path, start: int, lines: int = 6) -> str:

@@ -45,6 +45,37 @@ def _intact(store: Store) -> bool:
     return checksum.checksum(held.snapshot.buffer) == held.snapshot.checksum
 
 
+def _held_decode(monkeypatch, thread: str = "first") -> tuple[threading.Event, threading.Event]:
+    """``codec.decode_snapshot`` on the thread named ``thread`` held until ``go`` is set, once ``decoding`` says it
+    began; (decoding, go)."""
+    decoding, go = threading.Event(), threading.Event()
+    decode = codec.decode_snapshot
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name == thread:
+            decoding.set()
+            assert go.wait(30)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(codec, "decode_snapshot", held)
+    return decoding, go
+
+
+def _commit_on_a_thread(store: Store, staging, version: int, errors: list) -> threading.Thread:
+    """``staging`` committed on a thread named "first" (its ReplicaError kept in ``errors``), started."""
+    def commit() -> None:
+        if staging is not None:
+            store._staged[KEY] = staging
+        try:
+            store.commit(KEY, version)
+        except ReplicaError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=commit, name="first")
+    t.start()
+    return t
+
+
 @pytest.mark.parametrize("kind", ["full", "delta"])
 def test_a_drop_while_a_version_is_committed_keeps_nothing_and_counts_every_byte_once(monkeypatch, kind):
     """The job dropped while its next version was decoded: before, a full version came back after the drop, with
@@ -53,25 +84,9 @@ def test_a_drop_while_a_version_is_committed_keeps_nothing_and_counts_every_byte
     new = _state(1)
     packed = codec.encode(new, chunk_bytes=CHUNK) if kind == "full" else codec.encode(new, states[0], chunk_bytes=CHUNK)
     _stage(store, packed, 2, base=0 if kind == "full" else 1)
-    decoding, dropped = threading.Event(), threading.Event()
-    decode = codec.decode_snapshot
-
-    def slow_decode(*args, **kwargs):
-        decoding.set()
-        assert dropped.wait(30)
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(codec, "decode_snapshot", slow_decode)
+    decoding, dropped = _held_decode(monkeypatch)
     errors: list = []
-
-    def commit() -> None:
-        try:
-            store.commit(KEY, 2)
-        except ReplicaError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=commit)
-    t.start()
+    t = _commit_on_a_thread(store, None, 2, errors)
     assert decoding.wait(30)
     drops: list = []
     dropping = threading.Thread(target=lambda: drops.append(store.drop("races")))
@@ -92,28 +107,10 @@ def test_a_second_full_commit_of_a_shard_meeting_the_first_is_refused_not_counte
         _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
         if v == 2:
             first = store._staged.pop(KEY)  # staged, as a push leaves it; committed below while 3 commits
-    decoding, go = threading.Event(), threading.Event()
-    decode = codec.decode_snapshot
-
-    def slow_decode(*args, **kwargs):
-        if threading.current_thread().name == "first":
-            decoding.set()
-            assert go.wait(30)
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(codec, "decode_snapshot", slow_decode)
+    decoding, go = _held_decode(monkeypatch)
     errors: list = []
-
-    def commit_first() -> None:
-        store._staged[KEY] = first
-        try:
-            store.commit(KEY, 2)
-        except ReplicaError as e:
-            errors.append(e)
-
     third = store._staged.pop(KEY)
-    t = threading.Thread(target=commit_first, name="first")
-    t.start()
+    t = _commit_on_a_thread(store, first, 2, errors)
     assert decoding.wait(30)
     store._staged[KEY] = third
     assert store.commit(KEY, 3)[0] == 3
@@ -204,28 +201,10 @@ def test_two_first_commits_of_a_shard_and_a_drop_between_them_keep_nothing(monke
         _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
         if v == 1:
             first = store._staged.pop(KEY)
-    decoding, go = threading.Event(), threading.Event()
-    decode = codec.decode_snapshot
-
-    def slow_decode(*args, **kwargs):
-        if threading.current_thread().name == "first":
-            decoding.set()
-            assert go.wait(30)
-        return decode(*args, **kwargs)
-
-    monkeypatch.setattr(codec, "decode_snapshot", slow_decode)
+    decoding, go = _held_decode(monkeypatch)
     errors: list = []
     second = store._staged.pop(KEY)
-
-    def commit_first() -> None:
-        store._staged[KEY] = first
-        try:
-            store.commit(KEY, 1)
-        except ReplicaError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=commit_first, name="first")
-    t.start()
+    t = _commit_on_a_thread(store, first, 1, errors)
     assert decoding.wait(30)
     store._staged[KEY] = second
     store.commit(KEY, 2)
