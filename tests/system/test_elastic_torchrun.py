@@ -15,6 +15,7 @@ new world size.
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -141,7 +142,7 @@ def test_a_node_lost_rejoined_and_drained_under_torchrun_nnodes_1_2(tmp_path):
             drained = job.cli(1, "drain", "--daemon", (job.run_dir(1) / "daemon-node1.address").read_text())
             assert drained.returncode == 0, drained.stdout + drained.stderr
             assert "left at step" in drained.stdout and "sent SIGTERM" in drained.stdout, drained.stdout
-            step = int(drained.stdout.split("left at step ")[1].split(";")[0])
+            step = int(re.search(r"left at step (\d+)", drained.stdout).group(1))
             job.wait_for("the job re-formed at 2 ranks after the drain", lambda p: p["world"] == 2 and p["step"] > step)
             status = job.cli(0, "status", "--daemon", (job.run_dir(0) / "daemon-node0.address").read_text())
             (tmp_path / "stop").touch()  # every check is done: the job may end
