@@ -84,7 +84,8 @@ def main(args: argparse.Namespace) -> int:
             lag = str(s.version - s.replicated_version) if s.version and (s.replicated_version or s.pushed_versions) \
                 else "-"
         else:
-            lag = str(owners[key] - s.version) if key in owners else "?"
+            # The owner's daemon was asked first: a replica that moved on since reads as ahead of it (-1), never is.
+            lag = str(max(0, owners[key] - s.version)) if key in owners else "?"
         age = f"{now - s.last_update_unix:.1f}s ago" if s.last_update_unix else "-"
         staged = f"v{s.staged_version}, {s.staged_bytes / 1e6:.1f} MB" if s.staged_version else "-"
         table.add_row(address, inv.node_id, key[0], f"{key[1]}/{key[2]}", "local" if s.local else "replica",
