@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -192,7 +193,7 @@ class Replicated:
         already."""
         if self.cfg.hang_action == "off":
             return
-        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, signal.SIG_IGN, None):  # IGN: an earlier entry's
             log.warning("rank %d: SIGUSR1 has a handler already: a hang will be acted on without this rank's stacks",
                         self.rank)
             return
@@ -227,7 +228,7 @@ class Replicated:
             self._slots.set_left(watched)  # restart raised into the log line below must not leave the step's deadline
         log.warning("rank %d: %s", self.rank, said) if said else None
         if self._stacks is not None:
-            faulthandler.unregister(signal.SIGUSR1)
+            _stop_stacks()
             self._stacks.close()
             self._stacks = None
         self.pacing.close()
@@ -380,6 +381,14 @@ def _say_persisted(job: Job, persist_dir: str, last: int) -> None:
         log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s); see the "
                     "daemons' logs", last, done[-1] if done else "none")
 
+
+
+def _stop_stacks() -> None:
+    """faulthandler off SIGUSR1, which is then ignored: the daemon may signal a rank for stacks just after it left
+    its step, and the default action would end an in-process survivor (the next entry registers again)."""
+    faulthandler.unregister(signal.SIGUSR1)
+    if threading.current_thread() is threading.main_thread():  # where signal handlers may be set
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 def _said(exc_type: type, exc: BaseException | None) -> str:
     """An exception for a log line: its type and the first line of its message (bounded)."""
