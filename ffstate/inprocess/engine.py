@@ -76,7 +76,7 @@ class NodeSpares(RankAssignment):
     """The engine's rank assignment: ``assignment.Assignment``, for the processes' ranks as the engine numbers them
     (the live processes in launch order)."""
 
-    def __init__(self, layout: Layout, repeats: Repeats | None = None):
+    def __init__(self, layout: Layout, repeats: Repeats):
         self.assignment = Assignment.start(layout)
         self.repeats = repeats
         self.restarts = -1  # the first call assigns the launch's ranks; each later one is a restart
@@ -85,7 +85,7 @@ class NodeSpares(RankAssignment):
         a, state = self.assignment, ctx.state
         lost = {a.alive[r] for r in ctx.terminated_ranks}
         self.restarts += 1
-        if self.repeats is not None and self.restarts:  # the iteration that ended: its records (TrainingRaised)
+        if self.restarts:  # the iteration that ended: its records (TrainingRaised)
             self.repeats.after(state.iteration, ctx.store.get_interruption_records(), lost)
         me = state.initial_rank
         if me in lost:
