@@ -7,10 +7,10 @@ restarted forever, a few entries a second, each making a process group and holdi
 ``--max-restarts`` bounds this for its mode.
 
 The first process to raise in an iteration writes what it raised to the job's store (one line), and the first to
-enter each iteration writes the time. At each restart every process reads the same records (the
-extension's, for the iteration that ended, and these), so every process decides alike: after ``limit`` restarts in
-a row for exceptions alone (no process lost, nothing timed out), none of whose entries ran longer than ``window``
-seconds, every process raises ``TrainingRaised`` naming the exception, as ``NoSpareLeft`` ends the job.
+enter each iteration writes the time. At each restart the first process to read the records (the extension's, for
+the iteration that ended, and these) records the count, and every process takes that one: after ``limit`` restarts
+in a row for exceptions alone (no process lost, nothing timed out), none of whose entries ran longer than
+``window`` seconds, every process raises ``TrainingRaised`` naming the exception, as ``NoSpareLeft`` ends the job.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ LIMIT = 3  # restarts in a row for exceptions alone before the job stops
 WINDOW = 600.0  # seconds: an entry that trained longer than this before it raised starts the count again
 RAISED = "ffstate/inprocess/raised/{iteration}"
 ENTERED = "ffstate/inprocess/entered/{iteration}"
-LEFT = "ffstate/inprocess/left/{iteration}"
+DECIDED = "ffstate/inprocess/decided/{iteration}"  # "count|what", the first process's
 
 
 class TrainingRaised(RuntimeError):
@@ -48,31 +48,30 @@ def raised(store: Any, iteration: int, rank: int, e: BaseException) -> None:
 
 class Repeats:
     """Counts the restarts in a row that exceptions alone caused; ``after`` is called by every process at each
-    restart with the same records, so every process counts alike."""
+    restart, and every process takes the count the first one to get there recorded.
+
+    The first reader decides for all: the records every process reads change as soon as one process stops (the
+    extension records a process that leaves as terminated, and its interruption, in the same iteration's store), so a
+    process slower to read than another to decide would see a process lost where the first saw none, count no
+    repeat, and go on alone into an iteration the others left (seen on a loaded machine)."""
 
     def __init__(self, store: Any, limit: int = LIMIT, window: float = WINDOW):
         self.store, self.limit, self.window = store, limit, window
         self.count = 0
 
     def after(self, iteration: int, records: list, lost: set[int]) -> None:
-        """At the restart that ends ``iteration``, with its interruption records and the processes lost in it.
+        """At the restart that ends ``iteration``, with its interruption records and the processes lost in it as this
+        process read them; the decision is the first process's.
 
         Raises:
             TrainingRaised: the ``limit``-th such restart in a row.
         """
-        from nvidia_resiliency_ext.inprocess.attribution import Interruption
-
-        if lost or not records or any(r.interruption != Interruption.EXCEPTION for r in records):
-            self.count = 0
+        mine = f"{self._count(iteration, records, lost)}|{self._what(iteration)}"
+        decided = self.store.compare_set(DECIDED.format(iteration=iteration), "", mine)
+        count, _, what = (decided.decode(errors="replace") if isinstance(decided, bytes) else decided).partition("|")
+        self.count = int(count)
+        if not self.count:
             return
-        began = self._time(ENTERED.format(iteration=iteration))
-        # The first process here sets the end; every process reads that one value.
-        ended = float(self.store.compare_set(LEFT.format(iteration=iteration), "", f"{time.time():.3f}"))
-        if began is not None and ended - began > self.window:
-            self.count = 0  # it trained a while before raising: not the same failure at every entry
-        self.count += 1
-        key = RAISED.format(iteration=iteration)
-        what = self.store.get(key).decode(errors="replace") if self.store.check([key]) else "(not recorded)"
         if self.count < self.limit:
             log.warning("iteration %d ended with an exception and no process lost (%d of %d in a row before the job "
                         "stops): %s", iteration, self.count, self.limit, what)
@@ -80,6 +79,21 @@ class Repeats:
         raise TrainingRaised(f"the training function raised at {self.count} entries in a row with no process lost "
                              f"(the last: {what}): restarting again would not help; the job stops (the limit: "
                              f"restartable(max_raises={self.limit}))")
+
+    def _count(self, iteration: int, records: list, lost: set[int]) -> int:
+        """The count after ``iteration`` as this process's reads say (the first process's reads are everyone's)."""
+        from nvidia_resiliency_ext.inprocess.attribution import Interruption
+
+        if lost or not records or any(r.interruption != Interruption.EXCEPTION for r in records):
+            return 0
+        began = self._time(ENTERED.format(iteration=iteration))
+        if began is not None and time.time() - began > self.window:
+            return 1  # it trained a while before raising: not the same failure at every entry, the count begins again
+        return self.count + 1
+
+    def _what(self, iteration: int) -> str:
+        key = RAISED.format(iteration=iteration)
+        return self.store.get(key).decode(errors="replace") if self.store.check([key]) else "(not recorded)"
 
     def _time(self, key: str) -> float | None:
         return float(self.store.get(key)) if self.store.check([key]) else None
