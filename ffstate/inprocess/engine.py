@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,7 +41,7 @@ from ffstate.inprocess.assignment import Assignment, Layout
 from ffstate.inprocess.group import PG_TIMEOUT, make_group
 from ffstate.inprocess.locks import ReleaseLoggingLocks
 from ffstate.inprocess.raised import LIMIT, Repeats, entered, raised
-from ffstate.inprocess.store import IDLE_EXIT, START_WAIT, ensure, heartbeat, wait_listening
+from ffstate.inprocess.store import IDLE_EXIT, join, leave
 from ffstate.inprocess.unwind import GRACE, UnwindDeadline, Unwound
 from ffstate.job import job_id
 
@@ -119,9 +120,10 @@ class EngineStore(TCPStore):
         try:
             return super().initial_barrier(*args, **kwargs)
         except BarrierOverflow as e:  # more arrivals than processes: an earlier launch's, kept by the stores' host
-            raise FFStateError(f"the job's stores at MASTER_PORT + 1 hold an earlier launch's engine keys ({e}): its "
-                               f"stores' host stays up to {IDLE_EXIT:.0f} s after that launch's last process; launch "
-                               "again once it has gone (docs/inprocess.md), or on another MASTER_PORT") from None
+            raise FFStateError(f"the job's stores at MASTER_PORT + 1 hold an earlier launch's engine keys ({e}): a "
+                               "launch whose processes were killed rather than left leaves its stores' host up to "
+                               f"{IDLE_EXIT:.0f} s after their last heartbeat; launch again once it has gone "
+                               "(docs/inprocess.md), or on another MASTER_PORT") from None
 
 
 def restartable(fn: Callable[..., Any] | None = None, *, config: Config | None = None, backend: str | None = None,
@@ -200,11 +202,21 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     layout = layout_of(cfg, processes)
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     run_dir = running.run_dir(job_id(cfg))
-    if placement.is_local(host):
-        ensure(host, port, run_dir)
-    wait_listening(host, port, START_WAIT)  # a process on another node may start first: meets the host without delay
-    app_store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
-    heartbeat(host, port)  # once the host listens (another node's process may start before it)
+    # Counted in until the engine returns or gives up: the stores' host goes once every process is out.
+    app_store, beating = join(host, port, run_dir, local=placement.is_local(host))
+    known_lost: list[int] = []  # the processes this one knew lost when it left (the host counts them out too)
+    try:
+        return _engine(fn, args, kwargs, cfg, backend, unwind_grace, max_raises, layout, run_dir, app_store,
+                       known_lost)
+    finally:
+        leave(app_store, process, known_lost, beating)
+
+
+def _engine(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend: str | None,
+            unwind_grace: float, max_raises: int, layout: Layout, run_dir: Path, app_store: Any,
+            known_lost: list[int]) -> Any:
+    process, processes = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     # A survivor still in its step UnwindDeadline's grace after an abort (a wait in C++ the abort did not end) ends
     # itself rather than hold every rank until the group's timeout (ffstate/inprocess/unwind.py).
@@ -268,6 +280,7 @@ def _run(fn: Callable[..., Any], args: tuple, kwargs: dict, cfg: Config, backend
     finally:
         deadline.unwound()  # the engine returned or gave up: this thread is out of every step
         inflight.enable(False)
+        known_lost += assignment.assignment.failures
 
 
 # What each entry sets for ffstate.replicate; put back as it was when the engine returns or gives up (an error that

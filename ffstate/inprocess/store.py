@@ -4,11 +4,22 @@ waits out its timeout). Two TCPStores: ``MASTER_PORT`` for the training's proces
 ``MASTER_PORT + 1`` for the engine's own.
 
 The host is started, once, by the first process of the job on that node to find nothing listening (a lock in the
-job's run folder); it runs in a session of its own and exits once no process of the job, on any node, has sent a
-heartbeat for ``IDLE_EXIT`` seconds (each adds to a key of the training's store every ``HEARTBEAT_EVERY`` seconds:
-the first node's processes may all be gone, their ranks moved to a spare node, while the job goes on).
+job's run folder); it runs in a session of its own. Each process counts itself in when it meets the stores
+(``join``: one more in ``JOINED_KEY``) and out when the engine returns or gives up (``leave``: its number in
+``LEFT_KEY``, with the processes it knows were lost, marked ``~``). The host goes:
 
-    python -m ffstate.inprocess.store [--ready FILE] HOST PORT [IDLE_EXIT]
+- at once when every process that joined has left (a job that ended, or stopped with ``TrainingRaised`` or
+  ``NoSpareLeft``): a launch right after it on the same ports finds them free;
+- once every process that joined has left or was reported lost by one that left (a job that ended after
+  failures), and no heartbeat has come for ``QUIET`` seconds (a process reported lost may still be on its way out);
+- once no process of the job, on any node, has sent a heartbeat for ``IDLE_EXIT`` seconds (each adds to a key of
+  the training's store every ``HEARTBEAT_EVERY`` seconds: the first node's processes may all be gone, their ranks
+  moved to a spare node, while the job goes on): a job killed whole.
+
+The host ends by swapping ``JOINED_KEY``'s count for ``ENDED`` (only if no process joined since it counted): a
+process that joins a host that is going gets a negative count, waits for the host to go, and starts the next one.
+
+    python -m ffstate.inprocess.store [--ready FILE] [--quiet S] HOST PORT [IDLE_EXIT]
 
 The host writes ``FILE`` (its pid) once every port listens, and removes it when it goes: the process that started
 it waits for that file, or for the host's exit, which it reports at once with the log's last lines (a port held by
@@ -29,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Iterable
 
 from ffstate.daemon import running
 
@@ -37,14 +49,63 @@ log = logging.getLogger("ffstate.inprocess")
 IDLE_EXIT = 60.0  # seconds with no heartbeat from any process of the job before the stores go
 HEARTBEAT_EVERY = 5.0  # seconds between a process's heartbeats
 HEARTBEAT_KEY = "ffstate/inprocess/heartbeats"
+JOINED_KEY = "ffstate/inprocess/joined"  # how many processes met the stores; ENDED once the host is going
+LEFT_KEY = "ffstate/inprocess/left"  # "p," for each process that left, "~p," for each one a leaving process knew lost
+ENDED = -(1 << 40)  # JOINED_KEY's value once the host is going (a later join's count stays negative)
+QUIET = 2 * HEARTBEAT_EVERY + 1  # seconds without a heartbeat before a host whose processes left or were lost goes
+ENDING_WAIT = 30.0  # seconds a process waits for a host that is going to have gone
 START_WAIT = 60.0  # seconds a process waits for the host to listen
 PORTS = 2  # the training's store, the engine's
 LISTEN_POLL = 0.05  # seconds between looks for a host that does not listen yet
 
 
-def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> None:
+def join(host: str, port: int, run_dir: Path, local: bool) -> tuple[Any, threading.Event]:
+    """Meets the job's stores at ``host:port`` (starting their host first where ``local``: the host's node), counts
+    this process in and starts its heartbeat; returns the training's store and the heartbeat's stop.
+
+    A host that is going (an earlier launch's, every process of which left) is waited for, and the next one started.
+
+    Raises:
+        RuntimeError: as ``ensure``, or the stores did not listen within ``START_WAIT`` seconds, or a host that was
+            going did not go within ``ENDING_WAIT`` seconds.
+    """
+    import torch.distributed as dist
+
+    for _ in range(2):  # the second time, once an ending host has gone
+        if local:
+            ensure(host, port, run_dir)
+        # a process on another node may start first: it meets the host as soon as it listens
+        if not wait_listening(host, port, START_WAIT):
+            raise RuntimeError(f"the job's stores at {host}:{port} (MASTER_ADDR, MASTER_PORT) did not listen within "
+                               f"{START_WAIT:.0f}s: the host is started by the first process on that machine")
+        store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
+        if store.add(JOINED_KEY, 1) > 0:
+            return store, heartbeat(host, port)
+        log.info("the job's stores at %s:%d are going (every process of an earlier launch left): waiting for them to "
+                 "go, then meeting the next", host, port)
+        del store
+        deadline = time.monotonic() + ENDING_WAIT
+        while listening(host, port):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(LISTEN_POLL)
+    raise RuntimeError(f"the job's stores at {host}:{port} were going (an earlier launch's) and did not go within "
+                       f"{ENDING_WAIT:.0f}s: launch again once no `ffstate.inprocess.store` process is left, or on "
+                       "another MASTER_PORT")
+
+
+def leave(store: Any, process: int, lost: Iterable[int], beating: threading.Event | None = None) -> None:
+    """Counts process ``process`` out of the job (its engine returned or gave up), with the processes it knows were
+    lost, and stops its heartbeat: once every process that joined is out, the host goes."""
+    if beating is not None:
+        beating.set()
+    with contextlib.suppress(Exception):  # the host gone already: nothing to tell
+        store.append(LEFT_KEY, f"{process}," + "".join(f"~{p}," for p in lost))
+
+
+def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> threading.Event:
     """Counts this process among the job's while it lives, from any node: a thread adds 1 to ``HEARTBEAT_KEY`` of
-    the store at ``host:port`` every ``every`` seconds, on a connection of its own.
+    the store at ``host:port`` every ``every`` seconds, on a connection of its own, until the event returned is set.
 
     A process on another node may get here before the host listens: it connects once `wait_listening` sees it.
     """
@@ -52,16 +113,18 @@ def heartbeat(host: str, port: int, every: float = HEARTBEAT_EVERY) -> None:
 
     wait_listening(host, port, START_WAIT * 5)
     store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=START_WAIT * 5))
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
+        while not stop.is_set():
             try:
                 store.add(HEARTBEAT_KEY, 1)
             except Exception as e:  # noqa: BLE001 (the host gone: nothing left to keep alive)
                 log.debug("store heartbeat: %s", e)
-            time.sleep(every)
+            stop.wait(every)
 
     threading.Thread(target=beat, name="ffstate-store-heartbeat", daemon=True).start()
+    return stop
 
 
 def listening(host: str, port: int) -> bool:
@@ -135,11 +198,38 @@ def _tail(path: Path, start: int, lines: int = 6) -> str:
         return "\n".join(f.read(64 << 10).decode(errors="replace").splitlines()[-lines:])
 
 
+LEAVE_POLL = 0.25  # seconds between the host's looks at who joined and left
+
+
+def _gone(store: Any, quiet: float, quiet_for: float) -> tuple[str | None, int]:
+    """Why the job's processes are all gone by what they said (None: not all), and how many joined."""
+    joined = store.add(JOINED_KEY, 0)
+    if joined <= 0:
+        return None if joined == 0 else "ended", joined
+    said = store.get(LEFT_KEY).decode().split(",") if store.check([LEFT_KEY]) else []
+    left = {p for p in said if p and not p.startswith("~")}
+    lost = {p[1:] for p in said if p.startswith("~")} - left
+    if len(left) >= joined:
+        return f"every process of the job left ({len(left)})", joined
+    if len(left | lost) >= joined and quiet >= quiet_for:
+        return (f"every process of the job left ({len(left)}) or was lost ({len(lost)}), and none beat for "
+                f"{quiet:.0f}s"), joined
+    return None, joined
+
+
+def _end(store: Any, joined: int) -> bool:
+    """Marks the stores as going, unless a process joined since ``joined`` were counted (the host then looks again:
+    that process was told nothing, and counts on them)."""
+    return int(store.compare_set(JOINED_KEY, str(joined), str(ENDED))) == ENDED
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(prog="python -m ffstate.inprocess.store")
     parser.add_argument("--ready", type=Path, help="a file written once every port listens, removed at exit")
+    parser.add_argument("--quiet", type=float, default=QUIET, help="seconds without a heartbeat before a host whose "
+                        "processes all left or were reported lost goes")
     parser.add_argument("host")
     parser.add_argument("port", type=int)
     parser.add_argument("idle_exit", type=float, nargs="?", default=IDLE_EXIT)
@@ -161,12 +251,15 @@ def main(argv: list[str] | None = None) -> int:
     last_alive, beats = time.monotonic(), 0
     try:
         while True:
-            time.sleep(min(1.0, args.idle_exit / 4))
+            time.sleep(min(LEAVE_POLL, args.idle_exit / 4))
             now_beats = stores[0].add(HEARTBEAT_KEY, 0)
             if now_beats != beats:
                 last_alive, beats = time.monotonic(), now_beats
-            elif time.monotonic() - last_alive > args.idle_exit:
-                log.info("no heartbeat from any process of the job for %.0fs: the stores go", args.idle_exit)
+            why, joined = _gone(stores[0], time.monotonic() - last_alive, args.quiet)
+            if why is None and time.monotonic() - last_alive > args.idle_exit:
+                why = f"no heartbeat from any process of the job for {args.idle_exit:.0f}s"
+            if why is not None and _end(stores[0], joined):
+                log.info("%s: the stores go", why)
                 del stores
                 return 0
     finally:

@@ -21,6 +21,7 @@ import pytest
 
 from ffstate import Config
 from ffstate.bench._report import free_ports
+from ffstate.inprocess.store import listening
 from ffstate.testing.faults import monitor_pid
 from helpers import Lines, assert_bitwise_equal
 
@@ -107,11 +108,20 @@ def _stacks_and_tail(text: str, tail: int = 6) -> list[str]:
     return kept
 
 
-def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float = 400) -> list[int]:
-    """The processes' exit codes; then nothing of the job is left: its daemons and its stores' host are stopped."""
+def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float = 400,
+           host_goes: str = "") -> list[int]:
+    """The processes' exit codes; then nothing of the job is left: its daemons and its stores' host are stopped.
+    ``host_goes``: the stores' host's log line expected once every process has ended, the host then gone by itself
+    (a launch right after may take its ports)."""
     deadline = time.monotonic() + timeout
     try:
-        return [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+        if host_goes:
+            stores_log, start = out / f"ffstate-{env['FFSTATE_JOB_ID']}" / "stores.log", time.monotonic()
+            while host_goes not in stores_log.read_text() or listening("127.0.0.1", int(env["MASTER_PORT"])):
+                assert time.monotonic() - start < 10, f"the stores' host did not go by itself: {stores_log.read_text()}"
+                time.sleep(0.05)
+        return codes
     except subprocess.TimeoutExpired:  # where each live process is, before they are killed
         raise AssertionError(f"the job did not end within {timeout:.0f} s" + evidence(out, procs, stuck=True)) from None
     finally:
@@ -135,7 +145,9 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     # The same job, no failure and no spare (spares change nothing of the training, and each costs a start)
     procs, env = launch(out, [], layout={**LAYOUT, "FFSTATE_SPARES": "0", "FFSTATE_SPARE_NODES": "0"}, processes=4)
-    assert finish(procs, out, env) == [0] * 4, (out / "p0.log").read_text()[-3000:]
+    # every process left the engine: the stores' host goes at once (a relaunch right after finds the ports free)
+    codes = finish(procs, out, env, host_goes="every process of the job left (4): the stores go")
+    assert codes == [0] * 4, (out / "p0.log").read_text()[-3000:]
     return finals(out)
 
 
@@ -307,7 +319,7 @@ def test_a_function_that_raises_at_every_entry_stops_the_job_saying_what_it_rais
     out = tmp_path
     layout = {**LAYOUT, "FFSTATE_SPARES": "1", "FFSTATE_SPARE_NODES": "0"}  # 2 nodes of a rank and a spare
     procs, env = launch(out, [], layout=layout, processes=4, steps=12, extra=("--raise-at", "5"))
-    codes = finish(procs, out, env, timeout=300)
+    codes = finish(procs, out, env, timeout=300, host_goes="every process of the job left (4): the stores go")
     assert all(c not in (0, -9) for c in codes), codes
     for r in range(4):
         log = (out / f"p{r}.log").read_text(errors="replace")

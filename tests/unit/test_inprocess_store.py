@@ -10,7 +10,10 @@ import time
 
 import pytest
 
-from ffstate.inprocess.store import PORTS, START_WAIT, ensure, listening, wait_listening
+import torch.distributed as dist
+
+from ffstate.inprocess.store import (ENDED, JOINED_KEY, PORTS, START_WAIT, _end, _gone, ensure, join, leave, listening,
+                                     wait_listening)
 
 
 def _free_port() -> int:
@@ -75,3 +78,84 @@ def test_the_host_is_up_on_every_port_when_ensure_returns_and_another_program_on
         (tmp_path / f"stores-{other}.ready").write_text(f"{gone.pid}\n")  # a host killed: its file stays
         with pytest.raises(RuntimeError, match="another program listens"):
             ensure("127.0.0.1", other, tmp_path)
+
+
+def _wait_gone(port: int, timeout: float = 10.0) -> float:
+    start = time.monotonic()
+    while listening("127.0.0.1", port):
+        assert time.monotonic() - start < timeout, f"the stores' host still up {timeout:.0f} s after"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_the_host_goes_once_every_process_that_joined_left_and_a_launch_right_after_meets_the_next(tmp_path):
+    """The host stayed a minute after a job's last process, and a launch on the same port within that minute met the
+    earlier launch's engine keys and stopped. Now each process counts itself out as its engine returns, and the
+    host goes once all are out; the next launch's first process starts a new one."""
+    port = _free_port()
+    (a, beat_a), (b, beat_b) = join("127.0.0.1", port, tmp_path, local=True), join("127.0.0.1", port, tmp_path,
+                                                                                   local=True)
+    pid = int((tmp_path / f"stores-{port}.ready").read_text())
+    try:
+        leave(a, 0, [], beat_a)
+        time.sleep(1.0)  # the host's looks: 4 of them
+        assert listening("127.0.0.1", port), "the host went while a process of the job had not left"
+        leave(b, 1, [], beat_b)
+        _wait_gone(port, 5.0)
+        assert "every process of the job left (2): the stores go" in (tmp_path / "stores.log").read_text()
+        c, beat_c = join("127.0.0.1", port, tmp_path, local=True)  # the next launch: a new host, its own count
+        assert int((tmp_path / f"stores-{port}.ready").read_text()) != pid
+        assert c.add(JOINED_KEY, 0) == 1
+        leave(c, 0, [], beat_c)
+        _wait_gone(port, 5.0)
+    finally:
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+
+
+def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_next(tmp_path):
+    """A process that joins between the host's decision to go and its exit is told by its count (negative): it waits
+    for that host to go and meets the next one, rather than count on stores about to close."""
+    port = _free_port()
+    going = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False)  # an earlier launch's host
+    going.add(JOINED_KEY, 2)
+    assert _end(going, 2)
+    joined: list = []
+    t = threading.Thread(target=lambda: joined.append(join("127.0.0.1", port, tmp_path, local=False)))
+    t.start()
+    try:
+        time.sleep(1.0)
+        assert not joined and t.is_alive(), "a process joined stores that were going"
+        del going  # that host goes; the next is started by its node's first process (here: by hand)
+        ensure("127.0.0.1", port, tmp_path)
+        t.join(30)
+        assert joined, "the process did not meet the next host"
+        store, beating = joined[0]
+        assert store.add(JOINED_KEY, 0) == 1
+        leave(store, 0, [], beating)
+        _wait_gone(port, 5.0)
+    finally:
+        t.join(1)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+
+
+def test_who_is_out_as_the_host_counts_it():
+    """Every process that joined left: at once. Some left and the others were reported lost by them: once no
+    heartbeat came for the quiet time (a process reported lost may still be on its way out). Otherwise never; and a
+    process that joins after the count keeps the host (``_end`` refuses)."""
+    store = dist.HashStore()
+    for _ in range(3):
+        store.add(JOINED_KEY, 1)
+    assert _gone(store, quiet=100, quiet_for=11) == (None, 3)  # nobody left
+    store.append("ffstate/inprocess/left", "0,~2,")
+    assert _gone(store, quiet=100, quiet_for=11)[0] is None  # process 1 neither left nor lost
+    store.append("ffstate/inprocess/left", "1,~2,")
+    assert _gone(store, quiet=5, quiet_for=11)[0] is None  # 2 reported lost, heartbeats 5 s ago: maybe still going
+    why, joined = _gone(store, quiet=12, quiet_for=11)
+    assert "left (2) or was lost (1)" in why and joined == 3
+    store.add(JOINED_KEY, 1)  # a process joins after the count
+    assert not _end(store, joined) and store.add(JOINED_KEY, 0) == 4
+    store.append("ffstate/inprocess/left", "3,2,")
+    assert _gone(store, quiet=0, quiet_for=11)[0] == "every process of the job left (4)"
+    assert _end(store, 4) and store.add(JOINED_KEY, 1) < 0  # going: a later join is told
+    assert _gone(store, quiet=0, quiet_for=11)[0] == "ended"
+    assert ENDED < 0
