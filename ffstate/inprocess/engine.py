@@ -121,8 +121,8 @@ class EngineStore(TCPStore):
             return super().initial_barrier(*args, **kwargs)
         except BarrierOverflow as e:  # more arrivals than processes: an earlier launch's, kept by the stores' host
             raise FFStateError(f"the job's stores at MASTER_PORT + 1 hold an earlier launch's engine keys ({e}): a "
-                               "launch whose processes were killed rather than left leaves its stores' host up to "
-                               f"{IDLE_EXIT:.0f} s after their last heartbeat; launch again once it has gone "
+                               "launch some of whose processes never left the engine (killed) keeps its stores' host "
+                               f"up to {IDLE_EXIT:.0f} s after their last heartbeat; launch again once it has gone "
                                "(docs/inprocess.md), or on another MASTER_PORT") from None
 
 

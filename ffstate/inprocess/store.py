@@ -8,16 +8,18 @@ job's run folder); it runs in a session of its own. Each process counts itself i
 (``join``: one more in ``JOINED_KEY``) and out when the engine returns or gives up (``leave``: its number in
 ``LEFT_KEY``, with the processes it knows were lost, marked ``~``). The host goes:
 
-- at once when every process that joined has left (a job that ended, or stopped with ``TrainingRaised`` or
-  ``NoSpareLeft``): a launch right after it on the same ports finds them free;
+- at once when every process that joined has left (a job that ended with no process lost, or stopped with
+  ``TrainingRaised``);
 - once every process that joined has left or was reported lost by one that left (a job that ended after
-  failures), and no heartbeat has come for ``QUIET`` seconds (a process reported lost may still be on its way out);
+  failures, or stopped with ``NoSpareLeft``), and no heartbeat has come for ``QUIET`` seconds (a process reported
+  lost may still be on its way out), or at once when the next launch's first process meets them (``join``);
 - once no process of the job, on any node, has sent a heartbeat for ``IDLE_EXIT`` seconds (each adds to a key of
   the training's store every ``HEARTBEAT_EVERY`` seconds: the first node's processes may all be gone, their ranks
   moved to a spare node, while the job goes on): a job killed whole.
 
-The host ends by swapping ``JOINED_KEY``'s count for ``ENDED`` (only if no process joined since it counted): a
-process that joins a host that is going gets a negative count, waits for the host to go, and starts the next one.
+The stores end by ``JOINED_KEY``'s count swapped for ``ENDED`` (only if no process joined since it was read), by the
+host or by the next launch's first process: a process that joins stores that are going gets a negative count, waits
+for the host to go, and meets the next one.
 
     python -m ffstate.inprocess.store [--ready FILE] [--quiet S] HOST PORT [IDLE_EXIT]
 
@@ -54,6 +56,7 @@ LEFT_KEY = "ffstate/inprocess/left"  # "p," for each process that left, "~p," fo
 ENDED = -(1 << 40)  # JOINED_KEY's value once the host is going (a later join's count stays negative)
 QUIET = 2 * HEARTBEAT_EVERY + 1  # seconds without a heartbeat before a host whose processes left or were lost goes
 ENDING_WAIT = 30.0  # seconds a process waits for a host that is going to have gone
+LEAVE_TIMEOUT = 10.0  # seconds a process's leave may wait for an unreachable host
 START_WAIT = 60.0  # seconds a process waits for the host to listen
 PORTS = 2  # the training's store, the engine's
 LISTEN_POLL = 0.05  # seconds between looks for a host that does not listen yet
@@ -63,35 +66,41 @@ def join(host: str, port: int, run_dir: Path, local: bool) -> tuple[Any, threadi
     """Meets the job's stores at ``host:port`` (starting their host first where ``local``: the host's node), counts
     this process in and starts its heartbeat; returns the training's store and the heartbeat's stop.
 
-    A host that is going (an earlier launch's, every process of which left) is waited for, and the next one started.
+    Stores an earlier launch left (every process of it left or was reported lost by one that left) are ended now,
+    rather than after their host's quiet time; a host that is going is waited for, and the next one met (started
+    here where ``local``).
 
     Raises:
-        RuntimeError: as ``ensure``, or the stores did not listen within ``START_WAIT`` seconds, or a host that was
-            going did not go within ``ENDING_WAIT`` seconds.
+        RuntimeError: as ``ensure``, or a host that was going did not go within ``ENDING_WAIT`` seconds; torch's
+            ``DistStoreError`` when the stores did not listen within ``START_WAIT`` and TCPStore's 300 s.
     """
     import torch.distributed as dist
 
-    for _ in range(2):  # the second time, once an ending host has gone
+    deadline = time.monotonic() + ENDING_WAIT
+    while True:
         if local:
             ensure(host, port, run_dir)
-        # a process on another node may start first: it meets the host as soon as it listens
-        if not wait_listening(host, port, START_WAIT):
-            raise RuntimeError(f"the job's stores at {host}:{port} (MASTER_ADDR, MASTER_PORT) did not listen within "
-                               f"{START_WAIT:.0f}s: the host is started by the first process on that machine")
+        # A process on another node may start first: it meets the host as soon as it listens, or goes on to
+        # TCPStore's own connect, which retries for its timeout.
+        wait_listening(host, port, START_WAIT)
         store = dist.TCPStore(host, port, None, is_master=False, timeout=datetime.timedelta(seconds=300))
-        if store.add(JOINED_KEY, 1) > 0:
-            return store, heartbeat(host, port)
-        log.info("the job's stores at %s:%d are going (every process of an earlier launch left): waiting for them to "
-                 "go, then meeting the next", host, port)
+        try:
+            why, joined = _gone(store, quiet=float("inf"), quiet_for=0.0)
+            if why is not None and joined > 0 and _end(store, joined):
+                log.info("the job's stores at %s:%d are an earlier launch's (%s): ended, meeting the next", host,
+                         port, why)
+            elif store.add(JOINED_KEY, 1) > 0:
+                return store, heartbeat(host, port)
+        except dist.DistNetworkError:  # the host went between the look and the count
+            pass
         del store
-        deadline = time.monotonic() + ENDING_WAIT
-        while listening(host, port):
-            if time.monotonic() > deadline:
-                break
+        log.info("the job's stores at %s:%d are going (an earlier launch's): waiting for them to go", host, port)
+        while listening(host, port) and time.monotonic() < deadline:
             time.sleep(LISTEN_POLL)
-    raise RuntimeError(f"the job's stores at {host}:{port} were going (an earlier launch's) and did not go within "
-                       f"{ENDING_WAIT:.0f}s: launch again once no `ffstate.inprocess.store` process is left, or on "
-                       "another MASTER_PORT")
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the job's stores at {host}:{port} were going (an earlier launch's) and did not go "
+                               f"within {ENDING_WAIT:.0f}s: launch again once no `ffstate.inprocess.store` process is "
+                               "left, or on another MASTER_PORT")
 
 
 def leave(store: Any, process: int, lost: Iterable[int], beating: threading.Event | None = None) -> None:
@@ -99,7 +108,8 @@ def leave(store: Any, process: int, lost: Iterable[int], beating: threading.Even
     lost, and stops its heartbeat: once every process that joined is out, the host goes."""
     if beating is not None:
         beating.set()
-    with contextlib.suppress(Exception):  # the host gone already: nothing to tell
+    with contextlib.suppress(Exception):  # the host gone already, or unreachable: nothing to tell
+        store.set_timeout(datetime.timedelta(seconds=LEAVE_TIMEOUT))
         store.append(LEFT_KEY, f"{process}," + "".join(f"~{p}," for p in lost))
 
 
@@ -205,7 +215,7 @@ def _gone(store: Any, quiet: float, quiet_for: float) -> tuple[str | None, int]:
     """Why the job's processes are all gone by what they said (None: not all), and how many joined."""
     joined = store.add(JOINED_KEY, 0)
     if joined <= 0:
-        return None if joined == 0 else "ended", joined
+        return None if joined == 0 else "ended by the next launch (every process of this one was out)", joined
     said = store.get(LEFT_KEY).decode().split(",") if store.check([LEFT_KEY]) else []
     left = {p for p in said if p and not p.startswith("~")}
     lost = {p[1:] for p in said if p.startswith("~")} - left
@@ -248,14 +258,15 @@ def main(argv: list[str] | None = None) -> int:
         partial.write_text(f"{os.getpid()}\n")
         os.replace(partial, args.ready)  # whole or absent
     log.info("the job's stores listen at %s:%d-%d", args.host, args.port, args.port + PORTS - 1)
-    last_alive, beats = time.monotonic(), 0
+    last_alive, beats, joined = time.monotonic(), 0, 0
     try:
         while True:
             time.sleep(min(LEAVE_POLL, args.idle_exit / 4))
             now_beats = stores[0].add(HEARTBEAT_KEY, 0)
-            if now_beats != beats:
-                last_alive, beats = time.monotonic(), now_beats
-            why, joined = _gone(stores[0], time.monotonic() - last_alive, args.quiet)
+            why, now_joined = _gone(stores[0], time.monotonic() - last_alive, args.quiet)
+            if (now_beats, now_joined) != (beats, joined):  # a beat, or a join (whose first beat comes a moment later)
+                last_alive, beats, joined = time.monotonic(), now_beats, now_joined
+                continue
             if why is None and time.monotonic() - last_alive > args.idle_exit:
                 why = f"no heartbeat from any process of the job for {args.idle_exit:.0f}s"
             if why is not None and _end(stores[0], joined):

@@ -112,6 +112,27 @@ def test_the_host_goes_once_every_process_that_joined_left_and_a_launch_right_af
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
 
 
+def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_without_waiting_for_their_quiet(tmp_path):
+    """After a job that lost a process, its host waits for quiet (a process reported lost may still be on its way out);
+    a launch within that time joined it, met the earlier launch's engine keys and stopped. Its first process now ends
+    those stores and meets a new host."""
+    port = _free_port()
+    (a, beat_a), (_, beat_b) = (join("127.0.0.1", port, tmp_path, local=True) for _ in range(2))
+    pid = int((tmp_path / f"stores-{port}.ready").read_text())
+    try:
+        beat_b.set()  # process 1 dies (no leave); process 0 ends the job knowing it lost
+        leave(a, 0, [1], beat_a)
+        start = time.monotonic()
+        c, beat_c = join("127.0.0.1", port, tmp_path, local=True)  # the next launch, within the old host's quiet
+        assert time.monotonic() - start < 5
+        assert int((tmp_path / f"stores-{port}.ready").read_text()) != pid and c.add(JOINED_KEY, 0) == 1
+        assert "ended by the next launch" in (tmp_path / "stores.log").read_text()
+        leave(c, 0, [], beat_c)
+        _wait_gone(port, 5.0)
+    finally:
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+
+
 def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_next(tmp_path):
     """A process that joins between the host's decision to go and its exit is told by its count (negative): it waits
     for that host to go and meets the next one, rather than count on stores about to close."""
@@ -157,5 +178,5 @@ def test_who_is_out_as_the_host_counts_it():
     store.append("ffstate/inprocess/left", "3,2,")
     assert _gone(store, quiet=0, quiet_for=11)[0] == "every process of the job left (4)"
     assert _end(store, 4) and store.add(JOINED_KEY, 1) < 0  # going: a later join is told
-    assert _gone(store, quiet=0, quiet_for=11)[0] == "ended"
+    assert _gone(store, quiet=0, quiet_for=11)[0].startswith("ended by the next launch")
     assert ENDED < 0
