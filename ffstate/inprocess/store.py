@@ -95,12 +95,12 @@ def join(host: str, port: int, run_dir: Path, local: bool) -> tuple[Any, threadi
             pass
         del store
         log.info("the job's stores at %s:%d are going (an earlier launch's): waiting for them to go", host, port)
-        while listening(host, port) and time.monotonic() < deadline:
+        while listening(host, port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the job's stores at {host}:{port} were going (an earlier launch's) and did not "
+                                   f"go within {ENDING_WAIT:.0f}s: launch again once no `ffstate.inprocess.store` "
+                                   "process is left, or on another MASTER_PORT")
             time.sleep(LISTEN_POLL)
-        if time.monotonic() >= deadline:
-            raise RuntimeError(f"the job's stores at {host}:{port} were going (an earlier launch's) and did not go "
-                               f"within {ENDING_WAIT:.0f}s: launch again once no `ffstate.inprocess.store` process is "
-                               "left, or on another MASTER_PORT")
 
 
 def leave(store: Any, process: int, lost: Iterable[int], beating: threading.Event | None = None) -> None:
