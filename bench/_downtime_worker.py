@@ -62,6 +62,7 @@ def main() -> None:
     p.add_argument("--step-seconds", type=float, default=0.0)
     p.add_argument("--dump-steps", default="")
     p.add_argument("--raise-at", type=int, default=0)  # rank 0 raises at that step and after it, at every entry
+    p.add_argument("--loss-all-reduce", action="store_true")  # the loop's own collective at each step's end
     a = p.parse_args()
     # `kill -USR2` writes every thread's stack to the process's log: what a test that waited in vain reports.
     faulthandler.register(signal.SIGUSR2, all_threads=True)
@@ -134,6 +135,8 @@ def main() -> None:
                     note({"stuck": process})
                     (a.out / "stuck").touch()
                     time.sleep(3600)  # in C: the engine's restart is not delivered until it returns
+                if a.loss_all_reduce:  # as a loop logs its mean loss: a collective ffstate does not mark
+                    dist.all_reduce(loss.detach().clone())
         dump(a.out / f"final-rank{rank}.pt")
         return rank
 

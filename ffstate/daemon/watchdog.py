@@ -27,12 +27,16 @@ so it watches them, with no thread in the training process and no code in the us
   folder, and clears the name before it unregisters: without the handler the signal ends the process), waits a second,
   logs where each one's main thread is (its innermost frame, and the innermost outside torch: the rank that
   never reached the collective shows its own code, the others torch's collective), then, under
-  ``hang_action=kill``, SIGKILLs the ones past their deadline that have no collective on the wire (their marks):
-  the hang's, not those waiting for it. torchrun restarts the group (the in-process engine keeps the others in
-  their processes); the restart restores from the slots as after any crash: a hang costs the deadline and a
-  restart, and no step. Each daemon acts for its own node's ranks only; every node's ranks stall together, and one
-  node's restart restarts the job. A node whose ranks all wait on the wire leaves the act to the node they wait for,
-  and kills them all one deadline later if no restart came (a hang inside the collectives themselves).
+  ``hang_action=kill``, SIGKILLs the ones past their deadline that wait in no collective: the hang's, not those
+  waiting for it. A rank waits if its marks say a collective is on the wire (DDP's and FSDP2's, ffstate's), or, with
+  none marked, if its stacks, asked for first (once a silence), show its main thread inside torch.distributed (the
+  loop's own ``dist.all_reduce``, a barrier), unless local ranks wait in a marked one: then it is in a call the
+  others are not in (a receive no rank answers, a mismatched collective) and is the hang's. torchrun restarts the
+  group (the in-process engine keeps the others in their processes); the restart restores from the slots as after
+  any crash: a hang costs the deadline and a restart, and no step. Each daemon acts for its own node's ranks only;
+  every node's ranks stall together, and one node's restart restarts the job. A node whose ranks all wait leaves
+  the act to the node they wait for, and kills them all one deadline later if no restart came (a hang inside the
+  collectives themselves).
 - **Stragglers.** A rank whose compute time stays above ``straggler_ratio`` (1.5) times the median of its
   node's other ranks for ``STRAGGLER_LOOKS`` looks is warned about (rate-limited); ``ffstate status`` also
   compares each rank with the whole job's. Reported, never acted on.
@@ -79,6 +83,8 @@ class RankWatch:
     computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     acted: bool = False  # declared hung (once per attach)
     inflight: int = 0  # its collectives on the wire (its marks), as the last look read them
+    waits: bool = False  # its stacks show it inside torch.distributed (a collective ffstate does not mark)
+    classified: tuple = ()  # ``newest`` when ``waits`` was read from its stacks (a commit since makes it stale)
     slow_looks: int = 0
     warned: float = 0.0
     report: WatchReport | None = None
@@ -108,11 +114,23 @@ def alive(pid: int) -> bool:
 PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
+def _frames(stacks: str) -> list[str]:
+    """The main thread's frames in a ``faulthandler`` dump, innermost first."""
+    block = stacks.split("Current thread", 1)[-1] if "Current thread" in stacks else stacks
+    return [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
+
+
+def in_collective(stacks: str) -> bool:
+    """Whether the main thread is inside torch.distributed (a collective, a barrier, a store's wait): waiting for
+    other ranks, as in the loop's own ``dist.all_reduce``, which ffstate's marks do not see."""
+    frames = _frames(stacks)
+    return bool(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[0]
+
+
 def where(stacks: str, package: str = PACKAGE) -> str:
     """The main thread's innermost frame in a ``faulthandler`` dump, and its innermost outside torch and ffstate
     (``package``: its folder)."""
-    block = stacks.split("Current thread", 1)[-1] if "Current thread" in stacks else stacks
-    frames = [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
+    frames = _frames(stacks)
     if not frames:
         return "no stack written"
     inner = frames[0]
@@ -254,9 +272,20 @@ class Watchdog:
 
     def _act(self, job: str, stuck: list[ShardKey], now: float, deadline: float) -> None:
         """The ranks past their deadline (``stuck``) and the job's other local ranks: stacks from every one, and
-        under ``hang_action=kill`` the stuck ones not waiting in a collective are killed (``_victims``)."""
+        under ``hang_action=kill`` the stuck ones not waiting in a collective are killed (``_victims``). A stuck rank
+        with no collective marked is asked for its stacks first, once a silence: inside torch.distributed, it waits
+        for another rank in a collective ffstate does not mark (the loop's own ``dist.all_reduce``)."""
         with self._lock:
             local = {k: w for k, w in self.ranks.items() if k.job_id == job and not w.acted and alive(w.pid)}
+            unread = [k for k in stuck
+                      if k in local and not local[k].inflight and local[k].classified != local[k].newest]
+        read: dict[ShardKey, tuple[Path, str]] = {}
+        if unread and self.cfg.hang_action == "kill":
+            read = self._stacks(unread, local)
+            with self._lock:
+                for k in unread:
+                    local[k].waits, local[k].classified = in_collective(read.get(k, (None, ""))[1]), local[k].newest
+        with self._lock:
             victims = self._victims(job, [k for k in stuck if k in local], local, now, deadline)
             if not victims:
                 return
@@ -266,12 +295,6 @@ class Watchdog:
                 if local[k].report is not None:
                     local[k].report.hangs = self.hangs[k]
             reports = {k: self.ranks[k].report for k in stuck}
-        paths = {}
-        for key, slots in self.shards():
-            if key in local:  # read again: a worker that has left ffstate since has no handler for the signal
-                record = slots.worker()
-                paths[key] = (Path(record.stacks_path) if record is not None and record.pid == local[key].pid
-                              and record.stacks_path else None)
         for key in stuck:
             r = reports[key]
             log.error("%s is hung: no commit for %.0fs (deadline %.0fs: %s); asking the job's %d local ranks for "
@@ -279,23 +302,37 @@ class Watchdog:
                       f"{self.cfg.hang_multiple:g} x its {r.step_seconds:.3f}s median step, within "
                       f"[{self.cfg.hang_floor:g}, {self.cfg.hang_ceiling:g}]s" if r.step_seconds and
                       self.local_warm(key) else "its first steps' allowance, --hang-startup", len(local))
-        sizes = {k: _size(p) for k, p in paths.items()}
-        for key, w in local.items():
-            if paths.get(key) is not None:
-                self._signal(w.pid, STACKS_SIGNAL)
-        self.sleep(STACKS_WAIT)
+        suspects = _suspects([k for k in stuck if k in local], local)
+        asked = set(unread) if read else set()
+        read.update(self._stacks([k for k in local if k not in asked], local))
         for key in sorted(local):
-            path = paths.get(key)
-            text = _read_from(path, sizes.get(key, 0)) if path is not None else ""
-            log.error("%s (pid %d) %s: %s%s", key, local[key].pid, "waits" if local[key].inflight else "is hung",
-                      where(text) if text else "no stack written",
-                      f" (all threads: {path})" if text else "")
+            (path, text), w = read.get(key, (None, "")), local[key]
+            waits = key not in suspects and (w.inflight or w.waits)
+            log.error("%s (pid %d) %s: %s%s", key, w.pid, "waits" if waits else "is hung",
+                      where(text) if text else "no stack written", f" (all threads: {path})" if text else "")
         if self.cfg.hang_action == "kill":
             for key in sorted(victims):
                 self._signal(local[key].pid, signal.SIGKILL)
             log.error("killed %s of job %s (%s): the launcher, or the in-process engine, restarts the group, which "
                       "restores from the slots", "the local ranks" if len(victims) == len(local) else "ranks", job,
                       ", ".join(str(k.rank) for k in sorted(victims)))
+
+    def _stacks(self, keys: list[ShardKey], local: dict[ShardKey, RankWatch]) -> dict[ShardKey, tuple[Path, str]]:
+        """Asks ``keys``' workers for their stacks (those whose record names a stacks file: one that has left ffstate
+        since has no handler for the signal); (its file, what it wrote there within ``STACKS_WAIT``) for each."""
+        paths = {}
+        for key, slots in self.shards():
+            if key in keys:  # read again: a worker that has left ffstate since has no handler for the signal
+                record = slots.worker()
+                if record is not None and record.pid == local[key].pid and record.stacks_path:
+                    paths[key] = Path(record.stacks_path)
+        if not paths:
+            return {}
+        sizes = {k: _size(p) for k, p in paths.items()}
+        for key in paths:
+            self._signal(local[key].pid, STACKS_SIGNAL)
+        self.sleep(STACKS_WAIT)
+        return {k: (p, _read_from(p, sizes[k])) for k, p in paths.items()}
 
     def _victims(self, job: str, stuck: list[ShardKey], local: dict[ShardKey, RankWatch], now: float,
                  deadline: float) -> list[ShardKey]:
@@ -308,7 +345,7 @@ class Watchdog:
         ``hang_action=log``, every local rank (their stacks, once). [] while it waits."""
         if not stuck:
             return []
-        own = [k for k in stuck if not local[k].inflight]
+        own = _suspects(stuck, local)
         alone = sum(k.job_id == job for k in self.ranks) >= stuck[0].world_size  # no rank of the job on another node
         if own or alone or self.cfg.hang_action != "kill":  # under "log", the stacks of every rank, once
             self.deferred.pop(job, None)
@@ -334,6 +371,16 @@ class Watchdog:
             pass
         except PermissionError as e:
             log.error("cannot signal worker %d: %s", pid, e)
+
+
+def _suspects(stuck: list[ShardKey], local: dict[ShardKey, RankWatch]) -> list[ShardKey]:
+    """The stuck ranks that are the hang's, as far as this node can tell: those in no collective (their own code);
+    else, beside ranks waiting in a marked collective, those inside another torch.distributed call (a receive or a
+    collective the others are not in). [] when every one waits alike: the rank they wait for is elsewhere."""
+    own = [k for k in stuck if not local[k].inflight and not local[k].waits]
+    if own or not any(local[k].inflight for k in stuck):
+        return own
+    return [k for k in stuck if not local[k].inflight]
 
 
 def _median(values) -> float:

@@ -133,7 +133,10 @@ def finish(procs: list[subprocess.Popen], out: Path, env: dict, timeout: float =
                 os.kill(int(pid_file.read_text()), signal.SIGKILL)
             except (OSError, ValueError):
                 pass
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {env['MASTER_PORT']}$"], check=False)
+        # this job's host alone (its ready file is in the job's run folder): another test's may have the same port
+        run_dir = out / f"ffstate-{env['FFSTATE_JOB_ID']}"
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {run_dir}/stores-{env['MASTER_PORT']}.ready "],
+                       check=False)
 
 
 def finals(out: Path, world: int = 4) -> list[dict]:
@@ -239,14 +242,16 @@ def test_a_survivor_stuck_in_c_after_the_abort_ends_itself_and_the_job_goes_on_b
 
 
 def test_a_hung_rank_is_killed_alone_and_its_spare_takes_over_while_the_others_stay(tmp_path, reference):
-    """Rank 2 (process 3) hangs in its own code after step 5 (an hour's sleep); the others wait for it in DDP's
-    all-reduce. The watchdog (a 3-s deadline floor here) kills it alone: the ranks waiting have a collective on the
-    wire, and node 0's, all waiting, are left to node 1's daemon. Before, every daemon killed every local rank of the
-    job: with one spare a node the job could not go on. Node 1's spare takes rank 2, the others stay in their
-    processes, and the job ends bit-identical to the same job without failures."""
+    """Rank 2 (process 3) hangs in its own code after step 5 (an hour's sleep); the others wait for it in the loop's
+    own all-reduce of its loss, a collective ffstate does not mark (DDP's are marked: the torchrun hang test waits
+    there). The watchdog (a 3-s deadline floor here) reads the stuck ranks' stacks and kills the hung one alone: the
+    others are inside torch.distributed, and node 0's, all waiting, are left to node 1's daemon. Before, every daemon
+    killed every local rank of the job, and later every stuck rank with no collective marked: with one spare a node
+    the job could not go on. Node 1's spare takes rank 2, the others stay in their processes,
+    and the job ends bit-identical to the same job without failures."""
     out = tmp_path
     layout = {**LAYOUT, "FFSTATE_SPARE_NODES": "0", "FFSTATE_HANG_FLOOR": "3"}  # node 0: 0, 1, spare 2; node 1: 3, 4, 5
-    procs, env = launch(out, [], layout=layout, processes=6, extra=("--stuck", "3:5"))
+    procs, env = launch(out, [], layout=layout, processes=6, extra=("--stuck", "3:5", "--loss-all-reduce"))
     codes = finish(procs, out, env, timeout=300)
     assert codes == [0, 0, 0, -9, 0, 0], (codes, evidence(out, procs))
     for got, want in zip(finals(out), reference):
@@ -256,6 +261,8 @@ def test_a_hung_rank_is_killed_alone_and_its_spare_takes_over_while_the_others_s
     assert last == {0: 0, 1: 1, 2: 5, 3: 4}, last
     logs = "".join(p.read_text() for p in out.glob("ffstate-*/daemon-*.log"))
     assert re.search(r"killed ranks of job \S+ \(2\)", logs) and "killed the local ranks" not in logs, logs[-3000:]
+    waits = r"rank 3 of 4 \(pid \d+\) waits: File \S+torch/distributed/distributed_c10d.py"  # read from its stacks
+    assert re.search(waits, logs), logs[-3000:]
 
 
 def test_a_rank_lost_while_the_next_group_is_made_is_replaced_and_the_job_ends_bit_identical(tmp_path, reference):

@@ -434,3 +434,82 @@ def test_a_one_node_job_whose_ranks_all_wait_is_killed_at_once_and_log_only_name
         kills = sorted(pid for pid, sig in signals if sig == signal.SIGKILL)
         assert kills == ([7000, 7001] if expected else []), (action, signals)
         assert not dog.deferred
+
+
+C10D = os.sep.join(["", "v", "torch", "distributed", "distributed_c10d.py"])
+ALL_REDUCE = ('Thread 0x00007f (most recent call first):\n  File "/x/ffstate/shm/worker.py", line 9 in _wait\n\n'
+              'Current thread 0x00007e (most recent call first):\n'
+              f'  File "{C10D}", line 2938 in all_reduce\n'
+              '  File "/v/torch/distributed/c10d_logger.py", line 81 in wrapper\n'
+              '  File "/job/train.py", line 50 in main\n')
+OWN = 'Current thread 0x00007e (most recent call first):\n  File "/job/train.py", line 44 in slow_thing\n'
+
+
+def test_a_rank_waiting_in_the_loop_s_own_collective_is_read_from_its_stacks_and_not_killed(monkeypatch, tmp_path,
+                                                                                            caplog):
+    """The loop's own ``dist.all_reduce`` (a loss logged each step) is not one of the collectives ffstate marks: a
+    rank waiting in it for a hung one was taken for hung and killed too, which in the in-process mode costs a spare
+    for each. A stuck rank with nothing marked is now asked for its stacks first: inside torch.distributed, it
+    waits. The hung rank alone is killed; a node whose ranks all wait there defers as with marked collectives."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    keys = [ShardKey("j", r, 4) for r in range(4)]
+    shards = {k: FakeSlots(6000 + k.rank, 1000.0, str(tmp_path / f"s{k.rank}.txt")) for k in keys}
+    node0, node1 = {k: shards[k] for k in keys[:2]}, {k: shards[k] for k in keys[2:]}
+    cfg = DaemonConfig(hang_floor=2.0, hang_startup=30.0)
+    dog0, clock, signals0 = make(cfg, node0)
+    dog1, _, signals1 = make(cfg, node1)
+    dog1.clock = dog0.clock
+
+    def stacks_on_signal(dog, signals):
+        def kill(pid, sig):
+            signals.append((pid, sig))
+            if sig == signal.SIGUSR1:  # the worker's faulthandler writes its stacks
+                with open(tmp_path / f"s{pid - 6000}.txt", "a") as f:
+                    f.write(OWN if pid == 6001 else ALL_REDUCE)
+        dog.kill = kill
+
+    stacks_on_signal(dog0, signals0)
+    stacks_on_signal(dog1, signals1)
+    together(dog0, clock, shards, 7, 0.1)
+    for _ in range(7):
+        dog1.look()
+    clock["now"] += 2.5  # rank 1 hangs in its own code; 0, 2 and 3 wait for it in the loop's all_reduce
+    with caplog.at_level("ERROR"):
+        dog0.look()
+        dog1.look()
+    assert [s for s in signals0 if s[1] == signal.SIGKILL] == [(6001, signal.SIGKILL)]  # the hung rank alone
+    assert [s for s in signals1 if s[1] == signal.SIGKILL] == []  # both wait: the rank they wait for is node 0's
+    assert "j/rank 0 of 4 (pid 6000) waits" in caplog.text and "(pid 6001) is hung" in caplog.text
+    asked = len(signals1)
+    clock["now"] += 1.0
+    dog1.look()  # deferring: its ranks' stacks were read once this silence, not at every look
+    assert len(signals1) == asked
+    clock["now"] += 1.5  # past one more deadline with no restart: a hang inside the collective itself
+    dog1.look()
+    assert sorted(s for s in signals1 if s[1] == signal.SIGKILL) == [(6002, signal.SIGKILL), (6003, signal.SIGKILL)]
+
+
+def test_a_rank_in_a_receive_the_others_are_not_in_is_the_hang_s_beside_ranks_waiting_in_a_marked_collective(
+        monkeypatch, tmp_path):
+    """A rank stuck in a receive no rank answers (a mismatched collective) is inside torch.distributed too, but the
+    other local rank waits in DDP's marked all-reduce: the one in a call the others are not in is the hang's, killed
+    alone, with no deferral."""
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    keys = [ShardKey("j", r, 4) for r in (2, 3)]
+    shards = {k: FakeSlots(7000 + k.rank, 1000.0, str(tmp_path / f"s{k.rank}.txt")) for k in keys}
+    for s in shards.values():
+        s.headers = [Header()]
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0), shards)
+
+    def kill(pid, sig):
+        signals.append((pid, sig))
+        if sig == signal.SIGUSR1:
+            with open(tmp_path / f"s{pid - 7000}.txt", "a") as f:
+                f.write(ALL_REDUCE.replace("2938 in all_reduce", "2799 in recv") if pid == 7002 else OWN)
+    dog.kill = kill
+    together(dog, clock, shards, 7, 0.1)
+    shards[keys[1]].headers[0].comm_inflight = 1  # rank 3 waits in DDP's all-reduce
+    clock["now"] += 2.5
+    dog.look()
+    assert [s for s in signals if s[1] == signal.SIGKILL] == [(7002, signal.SIGKILL)]
+    assert signals[0] == (7002, signal.SIGUSR1)  # asked first, alone: rank 3 had a collective marked
