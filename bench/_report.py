@@ -120,13 +120,15 @@ def free_ports(n: int, host: str = "127.0.0.1") -> int:
     import random
     import socket
 
+    pick = random.SystemRandom()  # not the global generator: tests seed it, and two workers then drew the same ports
+
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
     top = max(low, 11000) - n - 1
     for _ in range(100):
-        base = random.randint(10000, top)
+        base = pick.randint(10000, top)
         try:
             for port in range(base, base + n):
                 with socket.socket() as s:

@@ -109,7 +109,7 @@ def test_the_host_goes_once_every_process_that_joined_left_and_a_launch_right_af
         leave(c, 0, [], beat_c)
         _wait_gone(port, 5.0)
     finally:
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
 
 
 def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_without_waiting_for_their_quiet(tmp_path):
@@ -130,7 +130,7 @@ def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_witho
         leave(c, 0, [], beat_c)
         _wait_gone(port, 5.0)
     finally:
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
 
 
 def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_next(tmp_path):
@@ -156,7 +156,7 @@ def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_ne
         _wait_gone(port, 5.0)
     finally:
         t.join(1)
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
 
 
 def test_who_is_out_as_the_host_counts_it():
