@@ -27,7 +27,7 @@ def test_ctrl_c_in_the_demo_stops_its_daemons_and_says_interrupted(tmp_path):
     out = tmp_path / "demo"
     tmp = tmp_path / "tmp"  # the job's run folder (its daemons' pid files) goes here
     tmp.mkdir()
-    base = random.randrange(20000, 30000, 2)
+    base = random.SystemRandom().randrange(20000, 30000, 2)  # not the global generator, which tests seed
     # Ctrl-C's disposition as a terminal's foreground command has it, whatever this runner's: a suite started in the
     # background by a script (`make test &`, nohup) ignores SIGINT, and the demo would inherit that.
     proc = subprocess.Popen([sys.executable, "-m", "ffstate.cli", "demo", "--out", str(out), "--base-port", str(base)],

@@ -39,10 +39,10 @@ class ElasticJob:
 
     def __init__(self, link: netns.Link, tmp: Path):
         self.link, self.tmp, self.out = link, tmp, tmp / "out"
-        self.job, self.port = f"e{uuid.uuid4().hex[:6]}", random.randint(20000, 60000)
+        self.job, self.port = f"e{uuid.uuid4().hex[:6]}", random.SystemRandom().randint(20000, 60000)
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("FFSTATE_") or k == "FFSTATE_SHM_DIR"},
                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "FFSTATE_JOB_ID": self.job,
-                    "FFSTATE_BASE_PORT": str(random.randint(20000, 60000))}
+                    "FFSTATE_BASE_PORT": str(random.SystemRandom().randint(20000, 60000))}
         self.agents: list[subprocess.Popen] = []
 
     def node_tmp(self, node: int) -> Path:

@@ -33,7 +33,8 @@ def torchrun_on_link(link: netns.Link, out: Path, tmp: Path, job: str, *extra: s
     and the port only keep concurrent test runs apart; no other FFSTATE_* variable is set."""
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("FFSTATE_") or k == "FFSTATE_SHM_DIR"},
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "FFSTATE_JOB_ID": job,
-           "FFSTATE_BASE_PORT": str(random.randint(20000, 60000)), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp),
+           "FFSTATE_BASE_PORT": str(random.SystemRandom().randint(20000, 60000)),  # not the global (seeded) generator
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp),
            **(env or {})}
     return netns.torchrun_two_nodes(link, ["-m", "ffstate.demo.worker", "--out", str(out), "--steps", str(STEPS),
                                            *extra], env, timeout=500, restarts=restarts)
