@@ -83,6 +83,7 @@ class RankWatch:
     computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     acted: bool = False  # declared hung (once per attach)
     inflight: int = 0  # its collectives on the wire (its marks), as the last look read them
+    alive: float = 0.0  # its newest sign of life in its record (its attach, a pause's end), as the last look read it
     waits: bool = False  # its stacks show it inside torch.distributed (a collective ffstate does not mark)
     classified: tuple = ()  # ``newest`` when ``waits`` was read from its stacks (a commit since makes it stale)
     slow_looks: int = 0
@@ -205,6 +206,9 @@ class Watchdog:
                 w = self.ranks.get(key)
                 if w is None or w.pid != worker.pid:  # a new worker attached (a restart): watched afresh
                     w = self.ranks[key] = RankWatch(worker.pid, worker.alive)
+                elif worker.alive != w.alive:  # a sign of life (the same process's next entry in-process, a pause's
+                    w.acted, w.waits, w.classified = False, False, ()  # end): a later silence is a new one
+                w.alive = worker.alive
                 self._observe(w, commits, intervals)
                 w.inflight = inflight
                 w.commits = count  # every commit since the attach, however many came between two looks
@@ -277,10 +281,12 @@ class Watchdog:
         for another rank in a collective ffstate does not mark (the loop's own ``dist.all_reduce``)."""
         with self._lock:
             local = {k: w for k, w in self.ranks.items() if k.job_id == job and not w.acted and alive(w.pid)}
-            unread = [k for k in stuck
-                      if k in local and not local[k].inflight and local[k].classified != local[k].newest]
+            unmarked = [k for k in stuck if k in local and not local[k].inflight]
+            unread = [k for k in unmarked if local[k].classified != local[k].newest]
+            # One unmarked beside marked ones is the hang's whatever its stacks say (``_suspects``): not asked first.
+            needed = len(unmarked) > 1 or len(unmarked) == len([k for k in stuck if k in local])
         read: dict[ShardKey, tuple[Path, str]] = {}
-        if unread and self.cfg.hang_action == "kill":
+        if unread and needed and self.cfg.hang_action == "kill":
             read = self._stacks(unread, local)
             with self._lock:
                 for k in unread:
@@ -302,9 +308,12 @@ class Watchdog:
                       f"{self.cfg.hang_multiple:g} x its {r.step_seconds:.3f}s median step, within "
                       f"[{self.cfg.hang_floor:g}, {self.cfg.hang_ceiling:g}]s" if r.step_seconds and
                       self.local_warm(key) else "its first steps' allowance, --hang-startup", len(local))
-        suspects = _suspects([k for k in stuck if k in local], local)
-        asked = set(unread) if read else set()
+        asked = set(read)
         read.update(self._stacks([k for k in local if k not in asked], local))
+        with self._lock:  # the stacks just read say which unmarked ones wait (under log, or where not asked first)
+            for k in [k for k in local if k not in asked and k in read and not local[k].inflight]:
+                local[k].waits, local[k].classified = in_collective(read[k][1]), local[k].newest
+        suspects = _suspects([k for k in stuck if k in local], local)
         for key in sorted(local):
             (path, text), w = read.get(key, (None, "")), local[key]
             waits = key not in suspects and (w.inflight or w.waits)

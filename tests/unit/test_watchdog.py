@@ -513,3 +513,51 @@ def test_a_rank_in_a_receive_the_others_are_not_in_is_the_hang_s_beside_ranks_wa
     dog.look()
     assert [s for s in signals if s[1] == signal.SIGKILL] == [(7002, signal.SIGKILL)]
     assert signals[0] == (7002, signal.SIGUSR1)  # asked first, alone: rank 3 had a collective marked
+
+
+def test_a_survivor_s_next_entry_in_the_same_process_is_a_new_silence_and_log_names_a_waiting_rank_waits(
+        monkeypatch, tmp_path, caplog):
+    """In-process, a survivor enters again with the same pid: what its stacks said in the last hang (it waited) is not
+    kept past its next sign of life; asked again, it is found hung in its own code and killed alone. Under
+    ``hang_action=log`` a rank read waiting in the loop's all-reduce is named as waiting."""
+    import dataclasses
+
+    monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
+    a, b = ShardKey("j", 0, 2), ShardKey("j", 1, 2)
+    shards = {a: FakeSlots(8000, 1000.0, str(tmp_path / "a.txt")), b: FakeSlots(8001, 1000.0, str(tmp_path / "b.txt"))}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=5.0), shards)
+    says = {8000: ALL_REDUCE, 8001: OWN}
+
+    def kill(pid, sig):
+        signals.append((pid, sig))
+        if sig == signal.SIGUSR1:
+            with open(tmp_path / ("a.txt" if pid == 8000 else "b.txt"), "a") as f:
+                f.write(says[pid])
+    dog.kill = kill
+    together(dog, clock, shards, 7, 0.1)
+    clock["now"] += 2.5
+    dog.look()
+    assert [s for s in signals if s[1] == signal.SIGKILL] == [(8001, signal.SIGKILL)]  # rank 0 waited
+    # The restart: rank 1's spare (a new pid), rank 0 enters again in its process (its record's sign of life moves).
+    shards[b] = FakeSlots(8002, clock["now"], str(tmp_path / "b.txt"))
+    shards[a].record = dataclasses.replace(shards[a].record, alive=clock["now"])
+    says.update({8000: OWN, 8002: ALL_REDUCE})  # now rank 0 hangs in its own code, before its first commit
+    signals.clear()
+    clock["now"] += 5.5  # past the startup allowance
+    dog.look()
+    assert [s for s in signals if s[1] == signal.SIGKILL] == [(8000, signal.SIGKILL)], signals
+
+    logged = {k: FakeSlots(8100 + k.rank, 1000.0, str(tmp_path / f"l{k.rank}.txt")) for k in (a, b)}
+    dog, clock, signals = make(DaemonConfig(hang_floor=2.0, hang_startup=30.0, hang_action="log"), logged)
+
+    def write(pid, sig):
+        signals.append((pid, sig))
+        with open(tmp_path / f"l{pid - 8100}.txt", "a") as f:
+            f.write(ALL_REDUCE if pid == 8100 else OWN)
+    dog.kill = write
+    together(dog, clock, logged, 7, 0.1)
+    clock["now"] += 2.5
+    with caplog.at_level("ERROR"):
+        dog.look()
+    assert "(pid 8100) waits: File" in caplog.text and "(pid 8101) is hung: File" in caplog.text
+    assert not [s for s in signals if s[1] == signal.SIGKILL]
