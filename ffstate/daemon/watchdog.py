@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Callable
 
 from ffstate.config import DaemonConfig
+from ffstate.daemon.stacks import in_collective, read_from, size, where
 from ffstate.ids import ShardKey
 from ffstate.reports import WatchReport
 from ffstate.scheduling.windows import merge_intervals
@@ -109,34 +110,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
-
-
-# ffstate's own files (the worker's frames in a collective's hook or a commit are not the user's code)
-PACKAGE = str(Path(__file__).resolve().parents[1]) + os.sep
-
-
-def _frames(stacks: str) -> list[str]:
-    """The main thread's frames in a ``faulthandler`` dump, innermost first."""
-    block = stacks.split("Current thread", 1)[-1] if "Current thread" in stacks else stacks
-    return [line.strip() for line in block.splitlines() if line.strip().startswith("File ")]
-
-
-def in_collective(stacks: str) -> bool:
-    """Whether the main thread is inside torch.distributed (a collective, a barrier, a store's wait): waiting for
-    other ranks, as in the loop's own ``dist.all_reduce``, which ffstate's marks do not see."""
-    frames = _frames(stacks)
-    return bool(frames) and f"{os.sep}torch{os.sep}distributed{os.sep}" in frames[0]
-
-
-def where(stacks: str, package: str = PACKAGE) -> str:
-    """The main thread's innermost frame in a ``faulthandler`` dump, and its innermost outside torch and ffstate
-    (``package``: its folder)."""
-    frames = _frames(stacks)
-    if not frames:
-        return "no stack written"
-    inner = frames[0]
-    own = next((f for f in frames if "/torch/" not in f and not f.startswith(f'File "{package}')), None)
-    return inner if own in (None, inner) else f"{inner}; in its own code: {own}"
 
 
 class Watchdog:
@@ -337,11 +310,11 @@ class Watchdog:
                     paths[key] = Path(record.stacks_path)
         if not paths:
             return {}
-        sizes = {k: _size(p) for k, p in paths.items()}
+        sizes = {k: size(p) for k, p in paths.items()}
         for key in paths:
             self._signal(local[key].pid, STACKS_SIGNAL)
         self.sleep(STACKS_WAIT)
-        return {k: (p, _read_from(p, sizes[k])) for k, p in paths.items()}
+        return {k: (p, read_from(p, sizes[k])) for k, p in paths.items()}
 
     def _victims(self, job: str, stuck: list[ShardKey], local: dict[ShardKey, RankWatch], now: float,
                  deadline: float) -> list[ShardKey]:
@@ -394,20 +367,3 @@ def _suspects(stuck: list[ShardKey], local: dict[ShardKey, RankWatch]) -> list[S
 
 def _median(values) -> float:
     return statistics.median(values) if values else 0.0
-
-
-def _size(path: Path | None) -> int:
-    try:
-        return path.stat().st_size if path is not None else 0
-    except OSError:
-        return 0
-
-
-def _read_from(path: Path, offset: int, limit: int = 1 << 20) -> str:
-    """What was appended to ``path`` after ``offset`` (at most ``limit`` bytes)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(limit).decode(errors="replace")
-    except OSError:
-        return ""

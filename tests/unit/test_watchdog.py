@@ -7,8 +7,9 @@ import signal
 from pathlib import Path
 
 from ffstate.config import DaemonConfig
-from ffstate.daemon import watchdog
-from ffstate.daemon.watchdog import STRAGGLER_LOOKS, Watchdog, where
+from ffstate.daemon import stacks
+from ffstate.daemon.stacks import where
+from ffstate.daemon.watchdog import STRAGGLER_LOOKS, Watchdog
 from ffstate.ids import ShardKey
 from ffstate.shm.slots import WorkerRecord
 
@@ -237,7 +238,7 @@ def test_where_reads_the_main_thread_from_a_faulthandler_dump():
                '  File "/v/site-packages/torch/nn/parallel/distributed.py", line 1600 in forward\n'
                '  File "/w/train.py", line 40 in step\n')  # ffstate's frames are not the user's code either
     assert where(in_hook, "/v/site-packages/ffstate/").endswith('in its own code: File "/w/train.py", line 40 in step')
-    assert watchdog.PACKAGE.endswith("/ffstate/") and (Path(watchdog.PACKAGE) / "daemon" / "watchdog.py").exists()
+    assert stacks.PACKAGE.endswith("/ffstate/") and (Path(stacks.PACKAGE) / "daemon" / "watchdog.py").exists()
 
 
 def test_steps_much_shorter_than_a_look_end_the_warm_up_and_a_hang_after_them_is_acted_on(monkeypatch):
