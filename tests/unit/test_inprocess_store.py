@@ -101,13 +101,13 @@ def test_the_host_goes_once_every_process_that_joined_left_and_a_launch_right_af
         time.sleep(1.0)  # the host's looks: 4 of them
         assert listening("127.0.0.1", port), "the host went while a process of the job had not left"
         leave(b, 1, [], beat_b)
-        _wait_gone(port, 5.0)
+        _wait_gone(port, 15.0)
         assert "every process of the job left (2): the stores go" in (tmp_path / "stores.log").read_text()
         c, beat_c = join("127.0.0.1", port, tmp_path, local=True)  # the next launch: a new host, its own count
         assert int((tmp_path / f"stores-{port}.ready").read_text()) != pid
         assert c.add(JOINED_KEY, 0) == 1
         leave(c, 0, [], beat_c)
-        _wait_gone(port, 5.0)
+        _wait_gone(port, 15.0)
     finally:
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
 
@@ -122,13 +122,12 @@ def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_witho
     try:
         beat_b.set()  # process 1 dies (no leave); process 0 ends the job knowing it lost
         leave(a, 0, [1], beat_a)
-        start = time.monotonic()
         c, beat_c = join("127.0.0.1", port, tmp_path, local=True)  # the next launch, within the old host's quiet
-        assert time.monotonic() - start < 5
         assert int((tmp_path / f"stores-{port}.ready").read_text()) != pid and c.add(JOINED_KEY, 0) == 1
-        assert "ended by the next launch" in (tmp_path / "stores.log").read_text()
+        said = (tmp_path / "stores.log").read_text()  # ended by this join, not after the host's quiet time
+        assert "ended by the next launch" in said and "none beat for" not in said, said
         leave(c, 0, [], beat_c)
-        _wait_gone(port, 5.0)
+        _wait_gone(port, 15.0)
     finally:
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
 
@@ -153,7 +152,7 @@ def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_ne
         store, beating = joined[0]
         assert store.add(JOINED_KEY, 0) == 1
         leave(store, 0, [], beating)
-        _wait_gone(port, 5.0)
+        _wait_gone(port, 15.0)
     finally:
         t.join(1)
         subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {tmp_path}/stores-{port}.ready "], check=False)
