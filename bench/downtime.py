@@ -98,7 +98,8 @@ def run_inprocess(work: Path, steps: int, failures: list[tuple[int, int]], step_
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store .*127.0.0.1 {port}$"], check=False)
+        ready = work / f"ffstate-{env['FFSTATE_JOB_ID']}" / f"stores-{port}.ready"  # this job's host alone
+        subprocess.run(["pkill", "-f", f"ffstate.inprocess.store --ready {ready} "], check=False)
     bad = [(r, c) for r, c in enumerate(codes) if c not in (0, -9)]
     if bad or codes.count(-9) != len(failures):
         raise SystemExit(f"the in-process job failed (exit codes {codes}); see {work}/process*.log")

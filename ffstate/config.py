@@ -98,9 +98,9 @@ class Config:
             the first commit and then every this many commits; an entry that differs is logged as
             an error and falls back to per-rank replication.
         hang_action: what the node's daemon does when a local rank has not committed within its
-            deadline (``watchdog.py``): ``kill`` (its stacks written, then every local rank of the job
-            SIGKILLed, so that torchrun restarts the group and it restores from its slots), ``log``
-            (the stacks and a warning only) or ``off``.
+            deadline (``watchdog.py``): ``kill`` (the stacks written, then the hung ranks SIGKILLed, those
+            waiting for them in a collective left, so that torchrun or the in-process engine restarts the
+            group and it restores from its slots), ``log`` (the stacks and an error only) or ``off``.
         hang_multiple, hang_floor, hang_ceiling: a rank's deadline is ``hang_multiple`` times its
             median step, at least ``hang_floor`` and at most ``hang_ceiling`` seconds.
         hang_startup: the deadline (seconds) until a rank's third commit after it attached: the first

@@ -30,8 +30,9 @@ so it watches them, with no thread in the training process and no code in the us
   ``hang_action=kill``, SIGKILLs the ones past their deadline that wait in no collective: the hang's, not those
   waiting for it. A rank waits if its marks say a collective is on the wire (DDP's and FSDP2's, ffstate's), or, with
   none marked, if its stacks, asked for first (once a silence), show its main thread inside torch.distributed (the
-  loop's own ``dist.all_reduce``, a barrier), unless local ranks wait in a marked one: then it is in a call the
-  others are not in (a receive no rank answers, a mismatched collective) and is the hang's. torchrun restarts the
+  loop's own ``dist.all_reduce``, a barrier), unless no stuck local rank is in its own code and some wait in a
+  marked one: then it is in a call the others are not in (a receive no rank answers, a mismatched collective) and
+  is the hang's. torchrun restarts the
   group (the in-process engine keeps the others in their processes); the restart restores from the slots as after
   any crash: a hang costs the deadline and a restart, and no step. Each daemon acts for its own node's ranks only;
   every node's ranks stall together, and one node's restart restarts the job. A node whose ranks all wait leaves
@@ -82,7 +83,7 @@ class RankWatch:
     commits: int = 0  # commits since the attach (the worker counts them in its slot header)
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
     computes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
-    acted: bool = False  # declared hung (once per attach)
+    acted: bool = False  # declared hung (once a silence: its next sign of life, an attach or a pause's end, clears it)
     inflight: int = 0  # its collectives on the wire (its marks), as the last look read them
     alive: float = 0.0  # its newest sign of life in its record (its attach, a pause's end), as the last look read it
     waits: bool = False  # its stacks show it inside torch.distributed (a collective ffstate does not mark)
@@ -319,8 +320,8 @@ class Watchdog:
     def _victims(self, job: str, stuck: list[ShardKey], local: dict[ShardKey, RankWatch], now: float,
                  deadline: float) -> list[ShardKey]:
         """Under the lock: which of the job's local ranks a hang kills. A hang stops every rank of the job together,
-        the one that never reached a collective and the others waiting in it for that one; the marks say which wait
-        on the wire. The stuck ranks that do not are the hang's (a launcher restarts every rank whichever dies; the
+        the one that never reached a collective and the others waiting in it for that one; their marks and stacks
+        say which wait (``_suspects``). The others are the hang's (a launcher restarts every rank whichever dies; the
         in-process engine keeps the others in their processes). If every one waits, the rank they wait for is on
         another node, whose daemon acts for it; past one more ``deadline`` with no restart, every local rank of the
         job is killed (a hang inside the collectives themselves), at once where the job has no other node. Under

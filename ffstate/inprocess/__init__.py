@@ -23,26 +23,19 @@ except ImportError as e:  # an optional dependency: only this mode needs it
     raise ImportError("ffstate.inprocess needs NVIDIA's resiliency extension: pip install 'ffstate[inprocess]' "
                       "(or nvidia-resiliency-ext)") from e
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ffstate import lazy
 
 if TYPE_CHECKING:
     from ffstate.inprocess.assignment import Layout, NoSpareLeft
     from ffstate.inprocess.engine import Attempt, restartable
     from ffstate.inprocess.raised import TrainingRaised
 
-# Imported when first named: the stores' host (``python -m ffstate.inprocess.store``) loads this package first, and
+# Loaded when first named: the stores' host (``python -m ffstate.inprocess.store``) loads this package first, and
 # would otherwise load the engine and, through it, its own module a second time (runpy's warning in its log).
-_EXPORTS = {"Attempt": "engine", "restartable": "engine", "Layout": "assignment", "NoSpareLeft": "assignment",
-            "TrainingRaised": "raised"}
 __all__ = ["Attempt", "Layout", "NoSpareLeft", "TrainingRaised", "restartable"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'ffstate.inprocess' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"ffstate.inprocess.{_EXPORTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy.attach(globals(), {
+    "Attempt": "ffstate.inprocess.engine", "restartable": "ffstate.inprocess.engine",
+    "Layout": "ffstate.inprocess.assignment", "NoSpareLeft": "ffstate.inprocess.assignment",
+    "TrainingRaised": "ffstate.inprocess.raised"})

@@ -39,8 +39,8 @@ def test_ranks_read_back_as_bytes_reach_the_termination_barrier_as_numbers(monke
 
 
 def test_a_launch_meeting_an_earlier_launchs_engine_keys_is_told_so(monkeypatch):
-    """The stores' host stays a minute after a launch's last process: a launch on the same port within it found the
-    earlier one's arrivals in the engine's initial barrier, and every process failed with the extension's
+    """The stores' host of a launch whose processes were killed stays a minute: a launch on the same port within it
+    found the earlier one's arrivals in the engine's initial barrier, and every process failed with the extension's
     ``BarrierOverflow`` (a count of ranks). It says what happened, and what to do."""
     from ffstate.errors import FFStateError
 

@@ -12,6 +12,7 @@ import pytest
 
 import torch.distributed as dist
 
+from ffstate.bench._report import free_ports
 from ffstate.inprocess.store import (ENDED, JOINED_KEY, PORTS, START_WAIT, _end, _gone, ensure, join, leave, listening,
                                      wait_listening)
 
@@ -59,7 +60,7 @@ def test_a_host_that_cannot_take_the_second_port_is_reported_at_once_with_its_lo
 
 
 def test_the_host_is_up_on_every_port_when_ensure_returns_and_another_program_on_the_port_is_refused(tmp_path):
-    port = _free_port()
+    port = free_ports(2)
     ensure("127.0.0.1", port, tmp_path)
     ready = tmp_path / f"stores-{port}.ready"
     pid = int(ready.read_text())
@@ -92,7 +93,7 @@ def test_the_host_goes_once_every_process_that_joined_left_and_a_launch_right_af
     """The host stayed a minute after a job's last process, and a launch on the same port within that minute met the
     earlier launch's engine keys and stopped. Now each process counts itself out as its engine returns, and the
     host goes once all are out; the next launch's first process starts a new one."""
-    port = _free_port()
+    port = free_ports(2)  # the host's two, below the range outgoing connections take theirs from
     (a, beat_a), (b, beat_b) = join("127.0.0.1", port, tmp_path, local=True), join("127.0.0.1", port, tmp_path,
                                                                                    local=True)
     pid = int((tmp_path / f"stores-{port}.ready").read_text())
@@ -116,7 +117,7 @@ def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_witho
     """After a job that lost a process, its host waits for quiet (a process reported lost may still be on its way out);
     a launch within that time joined it, met the earlier launch's engine keys and stopped. Its first process now ends
     those stores and meets a new host."""
-    port = _free_port()
+    port = free_ports(2)  # the host's two, below the range outgoing connections take theirs from
     (a, beat_a), (_, beat_b) = (join("127.0.0.1", port, tmp_path, local=True) for _ in range(2))
     pid = int((tmp_path / f"stores-{port}.ready").read_text())
     try:
@@ -135,7 +136,7 @@ def test_the_next_launch_ends_stores_whose_processes_all_left_or_were_lost_witho
 def test_a_process_that_meets_a_host_that_is_going_waits_for_it_and_meets_the_next(tmp_path):
     """A process that joins between the host's decision to go and its exit is told by its count (negative): it waits
     for that host to go and meets the next one, rather than count on stores about to close."""
-    port = _free_port()
+    port = free_ports(2)
     going = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False)  # an earlier launch's host
     going.add(JOINED_KEY, 2)
     assert _end(going, 2)

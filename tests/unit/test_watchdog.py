@@ -491,10 +491,11 @@ def test_a_rank_waiting_in_the_loop_s_own_collective_is_read_from_its_stacks_and
 
 
 def test_a_rank_in_a_receive_the_others_are_not_in_is_the_hang_s_beside_ranks_waiting_in_a_marked_collective(
-        monkeypatch, tmp_path):
+        monkeypatch, tmp_path, caplog):
     """A rank stuck in a receive no rank answers (a mismatched collective) is inside torch.distributed too, but the
     other local rank waits in DDP's marked all-reduce: the one in a call the others are not in is the hang's, killed
-    alone, with no deferral."""
+    alone, with no deferral, and without a second's wait for its stacks before the act (its outcome is the old
+    rule's: this guards it against the stacks rule)."""
     monkeypatch.setattr("ffstate.daemon.watchdog.alive", lambda pid: True)
     keys = [ShardKey("j", r, 4) for r in (2, 3)]
     shards = {k: FakeSlots(7000 + k.rank, 1000.0, str(tmp_path / f"s{k.rank}.txt")) for k in keys}
@@ -508,12 +509,16 @@ def test_a_rank_in_a_receive_the_others_are_not_in_is_the_hang_s_beside_ranks_wa
             with open(tmp_path / f"s{pid - 7000}.txt", "a") as f:
                 f.write(ALL_REDUCE.replace("2938 in all_reduce", "2799 in recv") if pid == 7002 else OWN)
     dog.kill = kill
+    waited: list[float] = []
+    dog.sleep = waited.append
     together(dog, clock, shards, 7, 0.1)
     shards[keys[1]].headers[0].comm_inflight = 1  # rank 3 waits in DDP's all-reduce
     clock["now"] += 2.5
-    dog.look()
+    with caplog.at_level("ERROR"):
+        dog.look()
     assert [s for s in signals if s[1] == signal.SIGKILL] == [(7002, signal.SIGKILL)]
-    assert signals[0] == (7002, signal.SIGUSR1)  # asked first, alone: rank 3 had a collective marked
+    assert len(waited) == 1  # one round of stacks, for the log: none asked before the act
+    assert "(pid 7002) is hung: File" in caplog.text and "(pid 7003) waits: File" in caplog.text
 
 
 def test_a_survivor_s_next_entry_in_the_same_process_is_a_new_silence_and_log_names_a_waiting_rank_waits(
