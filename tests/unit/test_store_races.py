@@ -60,6 +60,21 @@ def _held_decode(monkeypatch, thread: str = "first") -> tuple[threading.Event, t
     return decoding, go
 
 
+def _older_commit_held(store: Store, monkeypatch, older: int) -> tuple[threading.Event, list, threading.Thread]:
+    """Full versions ``older`` and ``older + 1`` staged, as pushes leave them; ``older`` committing on a thread, held
+    inside its decode (set the event returned to let it go), ``older + 1`` staged for the caller to commit."""
+    staged = []
+    for v in (older, older + 1):
+        _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
+        staged.append(store._staged.pop(KEY))
+    decoding, go = _held_decode(monkeypatch)
+    errors: list = []
+    t = _commit_on_a_thread(store, staged[0], older, errors)
+    assert decoding.wait(30)
+    store._staged[KEY] = staged[1]
+    return go, errors, t
+
+
 def _commit_on_a_thread(store: Store, staging, version: int, errors: list) -> threading.Thread:
     """``staging`` committed on a thread named "first" (its ReplicaError kept in ``errors``), started."""
     def commit() -> None:
@@ -102,16 +117,7 @@ def test_a_drop_while_a_version_is_committed_keeps_nothing_and_counts_every_byte
 
 def test_a_second_full_commit_of_a_shard_meeting_the_first_is_refused_not_counted_twice(monkeypatch):
     store, _ = _holding()
-    for v in (2, 3):
-        _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
-        if v == 2:
-            first = store._staged.pop(KEY)  # staged, as a push leaves it; committed below while 3 commits
-    decoding, go = _held_decode(monkeypatch)
-    errors: list = []
-    third = store._staged.pop(KEY)
-    t = _commit_on_a_thread(store, first, 2, errors)
-    assert decoding.wait(30)
-    store._staged[KEY] = third
+    go, errors, t = _older_commit_held(store, monkeypatch, 2)
     assert store.commit(KEY, 3)[0] == 3
     go.set()
     t.join(30)
@@ -195,16 +201,7 @@ def test_two_first_commits_of_a_shard_and_a_drop_between_them_keep_nothing(monke
     """Two full versions of a shard not held yet, committed at once; the second lands, the job is dropped, then the
     first would land: both commits are marked by the drop, so nothing comes back after it."""
     store = Store(1 << 30)
-    for v in (1, 2):
-        _stage(store, codec.encode(_state(v), chunk_bytes=CHUNK), v)
-        if v == 1:
-            first = store._staged.pop(KEY)
-    decoding, go = _held_decode(monkeypatch)
-    errors: list = []
-    second = store._staged.pop(KEY)
-    t = _commit_on_a_thread(store, first, 1, errors)
-    assert decoding.wait(30)
-    store._staged[KEY] = second
+    go, errors, t = _older_commit_held(store, monkeypatch, 1)
     store.commit(KEY, 2)
     assert store.drop("races") == 1
     go.set()
