@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from daemons import daemons, module_daemons  # noqa: E402,F401  (fixtures that run real `ffstate serve` processes)
+from once import once  # noqa: E402,F401  (runs several tests compare against, made once per session)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -143,15 +143,17 @@ def finals(out: Path, world: int = 4) -> list[dict]:
     return [torch.load(out / f"final-rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
+def _reference(out: Path) -> None:
     # The same job, no failure and no spare (spares change nothing of the training, and each costs a start)
     procs, env = launch(out, [], layout={**LAYOUT, "FFSTATE_SPARES": "0", "FFSTATE_SPARE_NODES": "0"}, processes=4)
     # every process left the engine: the stores' host goes at once (a relaunch right after finds the ports free)
     codes = finish(procs, out, env, host_goes="every process of the job left (4): the stores go")
     assert codes == [0] * 4, (out / "p0.log").read_text()[-3000:]
-    return finals(out)
+
+
+@pytest.fixture(scope="module")
+def reference(once):
+    return finals(once("inprocess-reference", _reference))
 
 
 def test_a_rank_two_in_a_row_a_spare_and_a_node_lost_survivors_stay_and_end_bit_identical(tmp_path, reference):
@@ -355,7 +357,7 @@ def test_the_stores_host_stays_while_any_process_of_the_job_beats_wherever_it_ru
     host = None
     try:
         assert Lines(beater).next() == "ready"
-        time.sleep(8)  # refused all that while
+        time.sleep(3)  # refused all that while
         host = subprocess.Popen([sys.executable, "-m", "ffstate.inprocess.store", "127.0.0.1", str(port),
                                  str(idle_exit)])
         time.sleep(3 * idle_exit)  # from the host's start (it listens within ~2 s of it)

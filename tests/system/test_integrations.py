@@ -33,17 +33,9 @@ def run(job: str, out: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
+def references(once):
     """The run of a job without ffstate and without the failures, made once per job for this module's tests."""
-    made: dict[str, Path] = {}
-
-    def reference(job: str) -> Path:
-        if job not in made:
-            made[job] = tmp_path_factory.mktemp(job) / "reference"
-            run(job, made[job], "--no-ffstate")
-        return made[job]
-
-    return reference
+    return lambda job: once(f"{job}-reference", lambda made: run(job, made / "reference", "--no-ffstate")) / "reference"
 
 
 def restores(out: Path) -> list[dict]:

@@ -73,10 +73,15 @@ def restored(tmp: Path, job: str) -> list[dict]:
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "restored"]
 
 
-def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_bit_identical(tmp_path):
+@pytest.fixture
+def reference(once) -> Path:
+    """The job without failures and without ffstate, made once for the tests that compare against it."""
+    made = once("persist-reference", lambda made: torchrun(made / "reference", env_for(made, "reference"), "--no-ffstate"))
+    return made / "reference"
+
+
+def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_bit_identical(tmp_path, reference):
     job, store = f"persist-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
-    reference = tmp_path / "reference"
-    torchrun(reference, env_for(tmp_path, "reference"), "--no-ffstate")
     env, out, job_dir = env_for(tmp_path, job, store), tmp_path / "out", store / job
     kills = ("--kill-job-steps", "9,14", "--kill-job-persisted", "2")  # each loss finds two versions to choose from
 
@@ -129,14 +134,13 @@ def test_the_whole_job_lost_twice_resumes_from_the_persisted_versions_and_ends_b
 
 
 
-def test_a_job_preempted_by_sigterm_to_every_process_resumes_from_the_versions_its_daemons_wrote_as_they_stopped(tmp_path):
+def test_a_job_preempted_by_sigterm_to_every_process_resumes_from_the_versions_its_daemons_wrote_as_they_stopped(
+        tmp_path, reference):
     """A cluster's preemption signals every process of the job at once (the agent, the ranks, the daemons): the ranks
     stop wherever they are, up to a step apart, and each daemon, stopping, writes the versions its ranks' slots hold
     (the newest two): one of them is every rank's, so a relaunch on new machines resumes from it where the periodic
     versions (every 100 steps here) had none, and ends bit-identical."""
     job, store = f"preempt-{uuid.uuid4().hex[:6]}", tmp_path / "persist"
-    reference = tmp_path / "reference"
-    torchrun(reference, env_for(tmp_path, "reference"), "--no-ffstate")
     env, out, job_dir = {**env_for(tmp_path, job, store), "FFSTATE_PERSIST_EVERY": "100"}, tmp_path / "out", store / job
     torchrun(out, env, "--preempt-step", "9", ok=False)
     new_machines(tmp_path, job)
