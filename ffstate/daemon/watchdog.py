@@ -277,7 +277,7 @@ class Watchdog:
             reports = {k: self.ranks[k].report for k in stuck}
         for key in stuck:
             r = reports[key]
-            log.error("%s is hung: no commit for %.0fs (deadline %.0fs: %s); asking the job's %d local ranks for "
+            log.error("%s is silent: no commit for %.0fs (deadline %.0fs: %s); asking the job's %d local ranks for "
                       "their stacks", key, r.since_seconds, r.deadline_seconds,
                       f"{self.cfg.hang_multiple:g} x its {r.step_seconds:.3f}s median step, within "
                       f"[{self.cfg.hang_floor:g}, {self.cfg.hang_ceiling:g}]s" if r.step_seconds and

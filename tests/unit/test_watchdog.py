@@ -189,7 +189,7 @@ def test_every_local_rank_of_a_stalled_job_is_named_whichever_showed_life_last(m
 
 
 def _named(caplog) -> set[str]:
-    return {r.getMessage().split(" is hung:")[0] for r in caplog.records if " is hung: no commit" in r.getMessage()}
+    return {r.getMessage().split(" is silent:")[0] for r in caplog.records if " is silent: no commit" in r.getMessage()}
 
 
 def test_a_straggler_is_reported_from_its_compute_against_its_node_s_other_ranks(monkeypatch):
