@@ -193,3 +193,20 @@ class Stats:
         s = mine[0]
         return Stats(version, s.replicated_version, s.pushed_bytes, s.pushed_versions, **seen, razor=s.razor,
                      restore=s.restore, profiled=s.profiled)
+
+
+@dataclass
+class PersistStats:
+    """What the persister did since the daemon started (``Inventory``, metrics, ``ffstate status``)."""
+
+    flushed: int = 0  # ranks' versions written
+    completed: int = 0  # versions this daemon made complete
+    skipped: int = 0  # ranks' versions skipped: an older flush was still running (or no memory for the copy)
+    failed: int = 0  # ranks' versions the filesystem refused
+    bytes: int = 0  # bytes of the ranks' states written
+    seconds: float = 0.0  # the newest flush of one rank's version: copy excluded, write and fsync included
+    newest_complete: int = 0
+    error: str = ""  # the newest failure
+    pending: int = 0  # ranks' versions copied and not yet written (queued, or being written)
+    flusher_pid: int = 0  # the flushing process, once ready (0: starting, or not running)
+    flusher_starts: int = 0  # times it was started (more than 1: it died, and was started again)

@@ -12,9 +12,11 @@ the version complete if every rank's record is there, prunes, and answers with a
 the copy: nothing is left in ``/dev/shm`` whoever dies, and its memory is freed when both close it.
 
 The child dies with the daemon (``PR_SET_PDEATHSIG``) and ends when its socket closes. If it dies mid-flush
-(the OOM killer, a bug), the flush counts as failed, what it wrote is removed, and the next flush starts a
-new one. It ignores SIGTERM and SIGINT from its first lines: a stop sent to the daemon's whole group
-(systemd's, a terminal's Ctrl-C, Slurm's) stops the daemon, which lets the flush in hand finish.
+(the OOM killer, a bug), the flush counts as failed, what it wrote of a version not yet complete is removed, and
+the next flush starts a new one. It ignores SIGTERM and SIGINT from its first lines: a stop sent to the daemon's
+whole group (systemd's, a terminal's Ctrl-C, Slurm's) stops the daemon, which lets the flush in hand finish and
+answer (``Flusher.close`` closes the socket only then, or after its wait). A version complete on disk is never
+written again (a restart's redone step: the same bits).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -86,6 +89,8 @@ class Flusher:
         self._sock: socket.socket | None = None
         self.ready = False  # the child said it is ready (torch.distributed.checkpoint imported)
         self.starts = 0
+        self._busy = threading.Lock()  # held through a flush: the daemon's stop waits for its answer
+        self._stopping = False
 
     @property
     def pid(self) -> int:
@@ -147,7 +152,15 @@ class Flusher:
 
     def flush(self, copy: Copy, header: dict, idle: Callable[[], None] = lambda: None) -> dict:
         """Writes ``copy`` as ``header`` says; returns the child's answer (``ok``, and ``seconds``, ``complete``,
-        ``pruned``; or ``kind`` and ``message``). ``idle`` is called every ``TICK`` seconds while it waits."""
+        ``pruned``; or ``kind`` and ``message``: ``died`` when the child died while writing, ``stopped`` when the
+        daemon is stopping). ``idle`` is called every ``TICK`` seconds while it waits."""
+        with self._busy:
+            if self._stopping:
+                return {"ok": False, "kind": "stopped", "message": f"version {header['version']} not flushed: the "
+                        "daemon is stopping"}
+            return self._flush(copy, header, idle)
+
+    def _flush(self, copy: Copy, header: dict, idle: Callable[[], None]) -> dict:
         self.start(idle)
         assert self._sock is not None and self._proc is not None
         raw = json.dumps({**header, "nbytes": copy.nbytes, "meta_bytes": copy.meta_bytes}).encode()
@@ -165,6 +178,10 @@ class Flusher:
             self._proc.kill()
             code = self._proc.wait()
         self._close_sock()
+        if code == 0 and self._stopping:  # it ended as it does after a flush: its answer did not reach us in time
+            return {"ok": False, "kind": "stopped", "message": f"version {header['version']}: the daemon stopped "
+                    f"before the flushing process (pid {self._proc.pid}) answered; it ended cleanly: what it wrote "
+                    "stays (a relaunch checks it)"}
         return {"ok": False, "kind": "died", "message": f"the flushing process (pid {self._proc.pid}) died while "
                                                          f"writing: {_why(code)}", "died": True}
 
@@ -175,11 +192,19 @@ class Flusher:
             proc.kill()
 
     def close(self, wait: float = 10.0) -> None:
-        """Closes the socket (the child ends when its flush is done); kills it after ``wait`` seconds."""
-        self._close_sock()
+        """Lets the flush in hand finish and answer, then closes the socket (the child ends); kills the child if it
+        has not ended ``wait`` seconds after the call. No flush starts after it."""
+        deadline = time.monotonic() + wait
+        self._stopping = True
+        answered = self._busy.acquire(timeout=wait)  # else a flush past the wait: its child is killed below
+        try:
+            self._close_sock()
+        finally:
+            if answered:
+                self._busy.release()
         if self._proc is not None:
             try:
-                self._proc.wait(wait)
+                self._proc.wait(max(0.5, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("flushing process %d did not end within %gs of the daemon's stop: killed",
                             self._proc.pid, wait)
@@ -241,6 +266,8 @@ def _write(job: dict, fd: int) -> dict:
     rank, world, version = int(job["rank"]), int(job["world"]), int(job["version"])
     job_dir = Path(job["job_dir"])
     vdir = persist.version_dir(job_dir, version)
+    if (vdir / persist.COMPLETE).exists():  # a step redone after a restart (the same bits), or an older run's
+        return {"ok": True, "seconds": 0.0, "vdir": str(vdir), "complete": True, "already": True}
     start = time.perf_counter()
     try:
         keys, manifest = meta["keys"], Manifest.from_json(meta["manifest"].encode())

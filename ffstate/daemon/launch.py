@@ -205,11 +205,18 @@ def check_persist(job: Job, daemon: Client) -> None:
     (``ffstate serve``), flushes to another or nowhere: the versions it would resume from never get written.
     Otherwise waits (at most ``FLUSHER_WAIT`` seconds, once) for the daemon's flushing process to be ready, so
     that the persistent tier holds versions from the job's first steps on: a daemon started with the job starts
-    it then, and it imports torch and DCP (seconds of CPU)."""
-    if not job.cfg.persist_dir or not job.topology.first_on_node:
+    it then, and it imports torch and DCP (seconds of CPU). And says so when the daemon flushes and this worker has
+    no ``persist_dir``: the versions are written, and never read nor dropped past a restore."""
+    if not job.topology.first_on_node:
         return
     got = daemon.inventory(job.job)
     flushed = got.persist.dir if got.HasField("persist") else ""
+    if not job.cfg.persist_dir:
+        if flushed:
+            log.warning("rank %d: node %s's daemon writes this job's versions to %s, but Config.persist_dir is unset: "
+                        "the job will not resume from them when it loses every node (set FFSTATE_PERSIST_DIR=%s)",
+                        job.rank, job.topology.node_id, flushed, flushed)
+        return
     if os.path.realpath(flushed or "/nonexistent") != os.path.realpath(job.cfg.persist_dir):
         log.warning("rank %d: Config.persist_dir is %s but node %s's daemon flushes %s: versions of this node's "
                     "ranks will not be in the persistent tier; start it with --persist-dir %s (or let the workers "

@@ -31,7 +31,7 @@ from ffstate.daemon.shard import GONE
 from ffstate.errors import ReplicaError, SlotError
 from ffstate.ids import ShardKey
 from ffstate.layout import Manifest
-from ffstate.reports import NO_FLUSHER
+from ffstate.reports import NO_FLUSHER, PersistStats
 
 log = logging.getLogger("ffstate.daemon.persist")
 
@@ -39,23 +39,6 @@ ERROR_LOG_EVERY = 30.0  # seconds between two logs of the same kind of flush fai
 DECIDED = 16  # versions whose flush-or-skip decision is remembered (so that a node's ranks decide alike)
 REACHED_EVERY = 0.1  # seconds between writes of the newest version taken (reached-<node>.json), when it moved
 FINAL_WAIT = 120.0  # seconds a job's end waits for its last versions to be written
-
-
-@dataclass
-class PersistStats:
-    """What the persister did since the daemon started (``Inventory``, metrics, ``ffstate status``)."""
-
-    flushed: int = 0  # ranks' versions written
-    completed: int = 0  # versions this daemon made complete
-    skipped: int = 0  # ranks' versions skipped: an older flush was still running (or no memory for the copy)
-    failed: int = 0  # ranks' versions the filesystem refused
-    bytes: int = 0  # bytes of the ranks' states written
-    seconds: float = 0.0  # the newest flush of one rank's version: copy excluded, write and fsync included
-    newest_complete: int = 0
-    error: str = ""  # the newest failure
-    pending: int = 0  # ranks' versions copied and not yet written (queued, or being written)
-    flusher_pid: int = 0  # the flushing process, once ready (0: starting, or not running)
-    flusher_starts: int = 0  # times it was started (more than 1: it died, and was started again)
 
 
 @dataclass
@@ -176,8 +159,7 @@ class Persister:
     def _queue_copy(self, key: ShardKey, version: int, copy: Copy, checksum: int) -> None:
         with self._lock:
             self._queued[(key.job_id, key.rank, key.world_size, version)] = True
-            while len(self._queued) > DECIDED * 64:
-                self._queued.popitem(last=False)
+            _trim(self._queued, DECIDED * 64)
         self._queue.put(_Job(key, version, copy, checksum))
 
     def final(self, shards: list, wait: float = FINAL_WAIT, every_committed: bool = False) -> list[str]:
@@ -273,14 +255,12 @@ class Persister:
                         busy.add(self._writing or ("", -1))  # being written, or about to be (set under our lock)
                 got = not busy - {(job, version)}
                 self._decided[(job, version)] = got
-                while len(self._decided) > DECIDED:
-                    self._decided.popitem(last=False)
+                _trim(self._decided, DECIDED)
             return got
 
     def _note_reached(self) -> None:
-        """The newest version taken per job, to ``reached-<node>.json`` beside its versions (best effort): a resume
-        from disk counts its steps lost from it. And the newest complete version of a job a restore stepped back.
-        Never raises: its thread writes every version (a failure is said, at most every ``ERROR_LOG_EVERY``)."""
+        """The newest version taken per job, to ``reached-<node>.json`` (a resume from disk counts its steps lost from
+        it); the newest complete version of a job a restore stepped back, read again. Never raises (it says why)."""
         with self._lock:
             recount, self._recount = self._recount, set()
         try:
@@ -305,10 +285,9 @@ class Persister:
             except queue.Empty:
                 self._note_reached()
                 continue
-            if job is None:
-                self._note_reached()
-                return
             self._note_reached()  # before its files: a kill just after they complete leaves no newer version
+            if job is None:
+                return
             with self._lock:
                 self._writing = (job.key.job_id, job.version)
             try:
@@ -340,8 +319,12 @@ class Persister:
         if not got["ok"]:
             if got.get("died"):  # what it wrote of the version is not a rank's files: removed, as a failed write's
                 persist.remove_rank(persist.version_dir(self.root / key.job_id, job.version), key.rank)
-            self._failed(got["kind"], f"{key}: {got['message']}")
-            return
+            if got["kind"] == "stopped":  # the daemon's stop, not a failure of the tier's
+                return log.warning("%s: %s", key, got["message"])
+            return self._failed(got["kind"], f"{key}: {got['message']}")
+        if got.get("already"):  # complete on disk: a step redone after a restart, not written again
+            return log.info("%s: version %d is complete in %s already: not written again", key, job.version,
+                            got["vdir"])
         self.stats.flushed += 1
         self.stats.bytes += job.copy.nbytes
         self.stats.seconds = got["seconds"]
@@ -398,3 +381,8 @@ def _committed(shard) -> list[int]:
     except GONE:  # dropped meanwhile
         return []
 
+
+def _trim(d: collections.OrderedDict, n: int) -> None:
+    """Forgets the oldest entries of ``d`` past its first ``n``."""
+    while len(d) > n:
+        d.popitem(last=False)

@@ -268,7 +268,11 @@ def _remove(vdir: Path) -> Path:
 
 
 def remove_rank(vdir: Path, rank: int) -> None:
-    """Removes what a failed flush wrote of ``rank``'s files in ``vdir`` (and the folder, if nothing else is in it)."""
+    """Removes what a failed flush wrote of ``rank``'s files in ``vdir`` (and the folder, if nothing else is in it);
+    nothing of a complete version (its files are the ones the marker checks: a flush that failed after it was made
+    complete, or one of the same version, wrote none)."""
+    if (vdir / COMPLETE).exists():
+        return
     for path in [*vdir.glob(f"__{rank}_*"), record_path(vdir, rank), record_path(vdir, rank).with_suffix(".json.tmp")]:
         try:
             path.unlink()

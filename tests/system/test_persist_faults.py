@@ -173,3 +173,32 @@ def test_a_signal_to_the_daemon_s_whole_group_still_lets_its_last_flush_finish(d
     shard, _ = persist.read_shard(persist.version_dir(store / "grp", 1), 0)
     assert_bitwise_equal(shard, states[0])
 
+
+
+def test_a_worker_whose_daemon_writes_elsewhere_or_without_it_is_told_at_entry(daemons, tmp_path, caplog):
+    """A daemon started by hand with ``--persist-dir``: a worker with another ``persist_dir`` would resume from versions
+    never written, and one with none from nothing (and would not drop the versions past one it restores); each is
+    told as it enters. One that agrees is not."""
+    from types import SimpleNamespace
+
+    from ffstate.daemon import launch
+
+    tier = tmp_path / "tier"
+    d = daemons.start("--persist-dir", str(tier))
+
+    def job(persist_dir: str) -> SimpleNamespace:
+        return SimpleNamespace(job="j", rank=0, cfg=SimpleNamespace(persist_dir=persist_dir),
+                               topology=SimpleNamespace(first_on_node=True, node_id="n0"))
+
+    with d.client() as c, caplog.at_level("INFO", logger=launch.log.name):
+        launch.check_persist(job(""), c)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert said == [f"rank 0: node n0's daemon writes this job's versions to {tier}, but Config.persist_dir is "
+                        f"unset: the job will not resume from them when it loses every node (set "
+                        f"FFSTATE_PERSIST_DIR={tier})"], said
+        caplog.clear()
+        launch.check_persist(job(str(tmp_path / "elsewhere")), c)
+        assert "will not be in the persistent tier; start it with --persist-dir" in caplog.text, caplog.text
+        caplog.clear()
+        launch.check_persist(job(str(tier)), c)  # waits for the daemon's flushing process to be ready, if it is not
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text

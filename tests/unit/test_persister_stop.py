@@ -1,8 +1,10 @@
 """What a daemon's persister writes as the daemon stops with ranks still attached (``Persister.close(attached)``):
 real slots in shared memory, a real flushing process, the versions read back from disk bit for bit."""
 
+import contextlib
 import logging
 import os
+import signal
 import threading
 import time
 from types import SimpleNamespace
@@ -335,3 +337,31 @@ def test_a_version_offered_while_the_thread_takes_another_off_its_queue_is_skipp
     finally:
         go.set()
         p.close()
+
+
+def test_a_stop_during_a_slow_flush_waits_for_its_answer_and_leaves_the_version_it_completed(rank_slots, tmp_path,
+                                                                                             caplog):
+    """The daemon stops while its flushing process is still writing (held here with SIGSTOP for 2 s: a large state
+    on a slow disk): the stop waits for the flush's answer before it closes the socket. It closed it at once, took
+    the child's clean exit for a death and removed the rank's files of the version the child had just made complete:
+    a version marked complete without its data, which a relaunch refused (and older ones already pruned)."""
+    shard, got = rank_slots
+    p = persister(tmp_path / "store")
+    child = p._flusher._proc.pid
+    os.kill(child, signal.SIGSTOP)
+    resume = threading.Timer(2.0, os.kill, (child, signal.SIGCONT))
+    resume.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="ffstate.daemon"):
+            p.close([shard], wait=0.5)  # the stop's 0.5 s and the thread's 1 s run out while the child is stopped
+    finally:
+        resume.cancel()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGCONT)
+    job_dir = tmp_path / "store" / "j"
+    assert "died while writing" not in caplog.text, caplog.text
+    assert 2 in persist.complete_versions(job_dir), caplog.text  # the one the child was writing, answered
+    for v in persist.complete_versions(job_dir):
+        persist.check(persist.version_dir(job_dir, v), [0])
+        assert_bitwise_equal(persist.read_shard(persist.version_dir(job_dir, v), 0)[0], got[v - 1])
+    assert p._flusher._proc.poll() is not None  # ended with the daemon's stop (its persisting thread's end)
