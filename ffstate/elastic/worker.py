@@ -14,6 +14,8 @@ from ffstate.shm import Slots
 
 log = logging.getLogger("ffstate.elastic")
 
+DROP_RETRY_MAX = 60.0  # seconds at most between two tries of a drop the daemon failed (a deadline under load)
+
 
 class ShapeWatch:
     """``daemon()`` is this node's daemon (it may be replaced); ``pause(seconds)`` declares a wait that is not a
@@ -28,6 +30,7 @@ class ShapeWatch:
         self.start_step = 0
         self._marked = False  # after a restore: this rank has a copy of a version past v*
         self._given_up = 0.0  # the drain request this rank stopped for and then gave up (Config.drain_hold)
+        self._drop_failed, self._drop_again = 0, 0.0  # drops the daemon failed in a row; when to try again
 
     def resized(self, old_world: int, version: int) -> None:
         """This rank resumed at ``version`` from copies made at ``old_world`` ranks (0: its own world size). Either
@@ -56,7 +59,7 @@ class ShapeWatch:
         if not self._marked:
             return
         if job.topology.first_on_node:
-            if not job.all_marked("resized-copy"):
+            if time.monotonic() < self._drop_again or not job.all_marked("resized-copy"):
                 return
             try:
                 daemon = self.daemon()
@@ -65,10 +68,14 @@ class ShapeWatch:
                 if worlds:
                     log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size(s) %s "
                              "from node %s's daemon", job.rank, job.world, n, worlds, job.topology.node_id)
-            except ReplicaError as e:
-                log.warning("rank %d: could not drop the copies of world sizes other than %d: %s", job.rank,
-                            job.world, e)
-        self.old_world, self.others = 0, False
+            except ReplicaError as e:  # kept, they would hold the daemon's memory until the job ends: tried again
+                self._drop_failed += 1
+                wait = min(DROP_RETRY_MAX, 2.0 ** self._drop_failed)
+                self._drop_again = time.monotonic() + wait
+                log.warning("rank %d: could not drop the copies of world sizes other than %d (try %d): %s; trying "
+                            "again after a commit %.0fs from now", job.rank, job.world, self._drop_failed, e, wait)
+                return
+        self.old_world, self.others, self._drop_failed = 0, False, 0
 
     def _stop_for_drain(self, step: int, asked: float, slots: Slots) -> None:
         """This node is being drained: stay at this step, which no rank can pass without this one, until the daemon
