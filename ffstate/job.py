@@ -128,14 +128,14 @@ class Job:
         """
         wait_for(self.store, keys, timeout, f"rank {self.rank}: {what}")
 
-    def barrier(self, name: str) -> int:
-        """Waits (at most ``exit_timeout``) until every rank reached the barrier ``name``; returns how many had
-        (``world`` unless it timed out)."""
+    def barrier(self, name: str, more: float = 0.0) -> int:
+        """Waits (at most ``exit_timeout`` + ``more`` seconds) until every rank reached the barrier ``name``; returns
+        how many had (``world`` unless it timed out)."""
         if self.store is None:
             return 1
         key = self.key("barrier", name)
         self.store.add(key, 1)
-        deadline = time.monotonic() + self.cfg.exit_timeout
+        deadline = time.monotonic() + self.cfg.exit_timeout + more
         while (reached := int(self.store.add(key, 0))) < self.world and time.monotonic() < deadline:
             time.sleep(0.02)
         return reached

@@ -179,9 +179,8 @@ class Replicated:
                     self.daemon.drop(job.job, timeout=FINAL_WAIT + 30)
                 except ReplicaError as e:
                     log.warning("rank %d: could not tell the daemon the job ended: %s", self.rank, e)
-            if self.cfg.persist_dir:
-                job.barrier("dropped")
-                _say_persisted(job, self.cfg.persist_dir, self._last)
+            if self.cfg.persist_dir:  # once every node's daemon wrote its last versions (FINAL_WAIT + 30 s each)
+                _say_persisted(job, self.cfg.persist_dir, self._last, job.barrier("dropped", FINAL_WAIT + 30))
             self._close()
         finally:  # the last store call: rank 0, which may host the store, returns after the others' last (a node's
             # daemon may take FINAL_WAIT + 30 s to write the job's last versions)
@@ -369,18 +368,18 @@ class Replicated:
         self.job.record({"event": "daemon-restarted", "step": self._last})
 
 
-def _say_persisted(job: Job, persist_dir: str, last: int) -> None:
-    """Rank 0, at a clean exit once every node's daemon wrote the job's last versions: whether the last step is
-    complete in the persistent tier."""
+def _say_persisted(job: Job, persist_dir: str, last: int, reached: int) -> None:
+    """Rank 0, at a clean exit once every node's daemon wrote the job's last versions (``reached`` of the ranks
+    said so in time): whether the last step is complete in the persistent tier."""
     if job.rank != 0:
         return
     done = persist.complete_versions(Path(persist_dir) / job.job, job.world)
     if last in done:
         log.info("rank 0: the last step, %d, is in the persistent tier (%s)", last, persist_dir)
     else:
-        log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s); see the "
-                    "daemons' logs", last, done[-1] if done else "none")
-
+        log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s)%s; see "
+                    "the daemons' logs", last, done[-1] if done else "none", "" if reached >= job.world else
+                    f": {job.world - reached} rank(s) had not seen their node's daemon finish writing")
 
 
 def _stop_stacks() -> None:
