@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import math
 import dataclasses
-import os
 import re
 import socket
 from dataclasses import dataclass, field, fields
@@ -36,8 +35,8 @@ class Config:
             encodes (``replicate(config=...)`` does not change it).
         codec_threads: threads of the CPU codec path; 0 means the number of CPUs the process may run on, at most 8.
             Process-wide, from ``FFSTATE_CODEC_THREADS``, as ``kernels``.
-        job_id: the job's id, which names its replicas; default: torchrun's run id
-            (``TORCHELASTIC_RUN_ID``, stable across restarts of one torchrun), else Slurm's job id
+        job_id: the job's id, which names its replicas; default: torchrun's run id (``TORCHELASTIC_RUN_ID``: its
+            ``--rdzv-id``, or one it makes up; stable across restarts of one torchrun), else Slurm's job id
             (``SLURM_JOB_ID``), else ``ffstate-job``.
         token: the job's secret, carried by every RPC (``FFSTATE_TOKEN``); default: read from ``token_file``, else
             agreed by the job's ranks through its torch.distributed store (the rendezvous is the job's trust
@@ -190,6 +189,9 @@ class Config:
         priority(self.daemon_nice, "daemon_nice")
         cpu_list(self.daemon_cpus, "daemon_cpus")
         check_bulk_port(self.bulk_port, "bulk_port (FFSTATE_BULK_PORT)")
+        for size in ("daemon_memory_limit", "link_bandwidth"):  # a daemon's flag: refused here, not in its start
+            if getattr(self, size) and not re.fullmatch(SIZE, getattr(self, size), re.I):
+                raise ValueError(f"{size} is a size such as 512M or 8G, got {getattr(self, size)!r}")
         if self.resize_rng not in RESIZE_RNG:
             raise ValueError(f"resize_rng must be one of {RESIZE_RNG}, got {self.resize_rng!r}")
         if not 0 < self.drain_hold < math.inf:
@@ -219,38 +221,24 @@ class Config:
 
     @classmethod
     def from_env(cls, **overrides: Any) -> "Config":
-        """Defaults, then ``FFSTATE_<FIELD>`` variables, then ``overrides``."""
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = os.environ.get(f"FFSTATE_{f.name.upper()}")
-            if raw is not None:
-                try:
-                    values[f.name] = _parse(raw, type(f.default))
-                except ValueError as e:
-                    raise ValueError(f"FFSTATE_{f.name.upper()}={raw!r}: expected {type(f.default).__name__}") from e
-        values.update(overrides)
-        return cls(**values)
+        """Defaults, then ``FFSTATE_<FIELD>`` variables, then ``overrides`` (``ffstate/envconfig.py``)."""
+        from ffstate import envconfig
+
+        return envconfig.from_env(cls, overrides)
 
     def replace(self, **changes: Any) -> "Config":
         return dataclasses.replace(self, **changes)
 
 
-def _parse(raw: str, kind: type) -> Any:
-    if kind is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(raw)
-    return kind(raw)
-
-
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+SIZE = r"\s*([0-9]+(?:\.[0-9]*)?)\s*([KMGT]?)(i?B)?\s*"
 
 
 def parse_bytes(text: str) -> int:
     """'8G', '512M', '1.5G' or a plain number of bytes."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.I)
+    m = re.fullmatch(SIZE, text, re.I)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512M, 8G or a number of bytes)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

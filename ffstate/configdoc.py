@@ -27,7 +27,9 @@ HEAD = """# Configuration
 Every knob of a training job is a field of `ffstate.Config`, set by `FFSTATE_<FIELD>` in the environment or
 passed as `replicate(..., config=Config(...))`; a daemon the workers start gets the daemon's share of them as
 `ffstate serve` flags. A daemon you run yourself takes `ffstate serve`'s flags (the fields of `DaemonConfig`).
-Where the two differ it is said why. (This page is generated: `python -m ffstate.configdoc`.)
+Where the two differ it is said why. A value a field refuses stops the job at entry, naming the variable that set
+it; an `FFSTATE_` variable no field reads (a misspelt one) is named in a warning. (This page is generated:
+`python -m ffstate.configdoc`.)
 
 """
 

@@ -40,6 +40,10 @@ def targets(given: list[str] | None, job: str, token_file: Path | None, command:
         return [(f.address, f.token or explicit) for f in found]
     out = []
     for address in given:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 1 << 16:
+            raise SystemExit(f"ffstate {command}: --daemon {address!r}: expected HOST:PORT (a daemon's address, such "
+                             "as 10.0.0.2:7700; `ffstate status` on that node lists its daemons)")
         token = explicit or next((f.token for f in found if f.address == address and f.token), "")
         if not token:
             raise SystemExit(f"ffstate {command}: no token for {address}: pass --token-file FILE or set FFSTATE_TOKEN "
@@ -73,6 +77,8 @@ def main(args: argparse.Namespace) -> int:
             table.add_row(address, "-", "-", "-", "[red]unreachable[/red]", "-", "-", "-", "-", "-", "-", why)
             failed += 1
             continue
+        if not inv.shards:  # an empty table said nothing of it
+            table.add_row(address, inv.node_id, args.job or "-", "-", "holds nothing", "-", "-", "-", "-", "-", "-", "")
         for s in inv.shards:
             key = (s.shard.job_id, s.shard.rank, s.shard.world_size)
             if s.local:

@@ -62,7 +62,7 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
     starts = cfg.start_daemon and (topo.first_on_node or lost)
     deadline = time.monotonic() + cfg.connect_timeout
     pid = _start_once(job, address, client) if starts else 0
-    exited = 0
+    exited, told = 0, False
     while True:
         try:
             client.inventory(job.job)
@@ -87,6 +87,11 @@ def node_daemon(job: Job, lost: str | None = None) -> Client:
                 raise ReplicaUnavailable(f"rank {job.rank}: no ffstate daemon answers at {address} for node "
                                          f"{topo.node_id}; run `ffstate serve --port {address.rsplit(':', 1)[1]}` "
                                          "on it, or leave Config.start_daemon on") from None
+            if not cfg.start_daemon and not told:  # said once: the wait is silent for connect_timeout otherwise
+                told = True
+                log.warning("rank %d: no ffstate daemon answers at %s for node %s yet (Config.start_daemon is off: "
+                            "`ffstate serve` runs it); waiting up to %.0fs (FFSTATE_CONNECT_TIMEOUT)", job.rank,
+                            address, topo.node_id, cfg.connect_timeout)
             time.sleep(0.2)
         except ReplicaError as e:
             if e.code == "UNAUTHENTICATED":

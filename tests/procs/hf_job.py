@@ -1,7 +1,8 @@
 """A Hugging Face Trainer run under torchrun with ffstate (docs/hf.md's example, made small): a tiny GPT-2 with dropout,
 a random dataset, AdamW with warm-up, evaluation every few steps, DDP over gloo on the CPU.
 
-    torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/hf_job.py OUT [--kill-rank R --kill-step S] [--no-ffstate]
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/hf_job.py OUT \
+        [--kill-rank R --kill-step S] [--no-ffstate]
 
 Rank R SIGKILLs itself once (a marker in OUT) right before the optimizer step of step S (the others may have done
 it). At the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and scheduler's state, the step,
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=0)
     p.add_argument("--no-ffstate", action="store_true")
     a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2,
                                        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))

@@ -3,8 +3,8 @@ little model with dropout, AdamW with a per-step and a per-epoch scheduler, a St
 a DistributedSampler, validation every few batches with an EarlyStopping on its loss (patient enough never to stop:
 its state is what is checked), DDP over gloo.
 
-    torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/lightning_job.py OUT [--kill-rank R --kill-step S[,S...]]
-        [--no-ffstate]
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 2 tests/procs/lightning_job.py OUT \
+        [--kill-rank R --kill-step S[,S...]] [--no-ffstate]
 
 Rank R SIGKILLs itself once (a marker OUT/killed-S) after the optimizer step that makes global step S, for each S. At
 the end each rank writes OUT/final-rank<R>.pt: the model, the optimizer's and the schedulers' state, and the loop's
@@ -67,6 +67,7 @@ def main() -> None:
     p.add_argument("--kill-step", default="0")
     p.add_argument("--no-ffstate", action="store_true")
     a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(0, workers=True)
     model = Net()
     g = torch.Generator().manual_seed(1)

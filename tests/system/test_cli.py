@@ -89,3 +89,19 @@ def test_only_a_live_daemon_of_the_job_is_signalled_never_what_a_stale_pid_file_
     finally:
         other.kill()
         other.wait()
+
+
+def test_status_of_a_daemon_holding_nothing_says_so_and_a_daemon_named_without_a_port_is_refused(daemons, monkeypatch,
+                                                                                                 capsys):
+    from daemons import TOKEN
+    from ffstate import cli
+
+    d = daemons.start()
+    monkeypatch.setenv("FFSTATE_TOKEN", TOKEN)
+    monkeypatch.setenv("COLUMNS", "250")
+    assert cli.main(["status", "--daemon", d.address]) == 0
+    out = capsys.readouterr().out
+    assert d.address in out and "holds nothing" in out, out
+    for bad in ("foo", "foo:", "foo:http", ":7700", "foo:70000"):
+        with pytest.raises(SystemExit, match=f"--daemon '{bad}': expected HOST:PORT"):
+            cli.main(["status", "--daemon", bad])

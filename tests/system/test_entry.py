@@ -251,3 +251,20 @@ def test_a_relaunch_that_finds_an_earlier_run_s_daemon_with_other_settings_says_
     for flag in ("--hang-floor 5.0 (this run: the default)", "--hang-ceiling 10.0 (this run: the default)",
                  "--hang-action the default (this run: off)"):
         assert flag in said, said
+
+
+def test_without_a_daemon_to_start_the_wait_for_one_is_said_at_once_and_ends_at_its_timeout(caplog):
+    """``start_daemon`` off and nothing on the port: a warning at the first try says what the rank waits for and for
+    how long (it waited ``connect_timeout``, a minute by default, in silence), then the error names the command."""
+    port = free_ports(1)
+    cfg = ffstate.Config(job_id=f"e{uuid.uuid4().hex[:6]}", token="t", base_port=port, start_daemon=False,
+                         connect_timeout=8.0)
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level("WARNING", logger="ffstate"), pytest.raises(ffstate.ReplicaUnavailable,
+                                                                      match=f"ffstate serve --port {port}"):
+        with ffstate.replicate(model, torch.optim.SGD(model.parameters(), lr=0.1), config=cfg):
+            pytest.fail("entered")
+    end = time.time()
+    said = [r for r in caplog.records if "no ffstate daemon answers" in r.getMessage()]
+    assert len(said) == 1 and "waiting up to 8s (FFSTATE_CONNECT_TIMEOUT)" in said[0].getMessage(), caplog.text
+    assert said[0].created < end - 4  # at the first try (the client's own retries: ~2 s), not at the timeout

@@ -27,6 +27,40 @@ def test_bad_values_are_refused_with_the_variable_named(monkeypatch):
             Config(**{name: float("inf")})
 
 
+def test_a_value_refused_by_a_check_names_its_variable_and_a_size_is_checked_at_once(monkeypatch):
+    monkeypatch.setenv("FFSTATE_HANG_ACTION", "kil")
+    with pytest.raises(ValueError, match=r"hang_action must be one of .*got 'kil' \(set by FFSTATE_HANG_ACTION='kil'\)"):
+        Config.from_env()
+    assert Config.from_env(hang_action="log").hang_action == "log"  # an override is not the variable's
+    monkeypatch.delenv("FFSTATE_HANG_ACTION")
+    monkeypatch.setenv("FFSTATE_HANG_FLOOR", "-1")
+    with pytest.raises(ValueError, match=r"\(set by FFSTATE_HANG_FLOOR='-1'\)"):
+        Config.from_env()
+    monkeypatch.delenv("FFSTATE_HANG_FLOOR")
+    # a started daemon's flags: refused at entry, by name (a daemon's start failed on them, after a rendezvous)
+    monkeypatch.setenv("FFSTATE_DAEMON_MEMORY_LIMIT", "lots")
+    with pytest.raises(ValueError, match=r"daemon_memory_limit is a size such as 512M or 8G, got 'lots' \(set by "
+                                         r"FFSTATE_DAEMON_MEMORY_LIMIT='lots'\)"):
+        Config.from_env()
+    with pytest.raises(ValueError, match="link_bandwidth is a size"):
+        Config(link_bandwidth="fast")
+    assert Config(daemon_memory_limit="1.5G", link_bandwidth="25M").link_bandwidth == "25M"
+
+
+def test_a_variable_no_setting_reads_is_named_once(monkeypatch, caplog):
+    from ffstate import envconfig
+
+    monkeypatch.setattr(envconfig, "_warned", set())
+    monkeypatch.setenv("FFSTATE_MAXLAG", "2")  # FFSTATE_MAX_LAG, misspelt
+    monkeypatch.setenv("FFSTATE_ATTEMPT", "1")  # the in-process engine's: read elsewhere
+    with caplog.at_level("WARNING", logger="ffstate"):
+        assert Config.from_env().max_lag == 1
+        Config.from_env()
+    said = [r.getMessage() for r in caplog.records if "no such setting" in r.getMessage()]
+    assert said == ["FFSTATE_MAXLAG: no such setting, ignored (misspelt? every FFSTATE_ variable is in "
+                    "docs/configuration.md)"], said
+
+
 def test_a_started_daemons_command_line_gives_back_its_configuration(tmp_path):
     """A worker starts its node's daemon from one DaemonConfig: its flags, parsed by `ffstate serve`'s own
     parser, must give the same configuration back, field for field (the token travels in the environment)."""
