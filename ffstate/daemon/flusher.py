@@ -116,11 +116,12 @@ class Flusher:
 
     def _recv(self, idle: Callable[[], None]) -> bytes:
         """The child's next message, ``idle`` called every ``TICK`` seconds until it comes; b"": the child is gone."""
-        assert self._sock is not None
-        self._sock.settimeout(TICK)
+        sock = self._sock  # ours: a stop past its wait closes it under this read (which then sees the child gone)
+        assert sock is not None
+        sock.settimeout(TICK)
         while True:
             try:
-                return self._sock.recv(REPLY_BYTES)
+                return sock.recv(REPLY_BYTES)
             except TimeoutError:
                 idle()
             except OSError:
@@ -162,11 +163,12 @@ class Flusher:
 
     def _flush(self, copy: Copy, header: dict, idle: Callable[[], None]) -> dict:
         self.start(idle)
-        assert self._sock is not None and self._proc is not None
+        sock = self._sock
+        assert sock is not None and self._proc is not None
         raw = json.dumps({**header, "nbytes": copy.nbytes, "meta_bytes": copy.meta_bytes}).encode()
         try:
-            self._sock.settimeout(None)
-            socket.send_fds(self._sock, [raw], [copy.fd])
+            sock.settimeout(None)
+            socket.send_fds(sock, [raw], [copy.fd])
             answer = self._recv(idle)
         except OSError:
             answer = b""
