@@ -332,8 +332,8 @@ class Client:
 
         return Packed([c for _, c in got])
 
-    def inventory(self, job_id: str = "") -> pb.InventoryResponse:
-        return self._call("inventory", lambda: self._inventory(pb.InventoryRequest(job_id=job_id), **self._kw()))
+    def inventory(self, job_id: str = "", timeout: float | None = None) -> pb.InventoryResponse:
+        return self._call("inventory", lambda: self._inventory(pb.InventoryRequest(job_id=job_id), **self._kw(timeout)))
 
     def step_back(self, job_id: str, rank: int, world_size: int, version: int) -> pb.StepBackResult:
         req = pb.StepBackRequest(shard=shard(job_id, rank, world_size), version=version)

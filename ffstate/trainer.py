@@ -369,17 +369,18 @@ class Replicated:
 
 
 def _say_persisted(job: Job, persist_dir: str, last: int, reached: int) -> None:
-    """Rank 0, at a clean exit once every node's daemon wrote the job's last versions (``reached`` of the ranks
-    said so in time): whether the last step is complete in the persistent tier."""
+    """Rank 0, at a clean exit, once ``reached`` ranks saw their node's daemon write the job's last versions:
+    whether the last step is complete in the persistent tier."""
     if job.rank != 0:
         return
     done = persist.complete_versions(Path(persist_dir) / job.job, job.world)
     if last in done:
         log.info("rank 0: the last step, %d, is in the persistent tier (%s)", last, persist_dir)
     else:
+        late = f"; {job.world - reached} rank(s) had not come to the end's barrier (a node's daemon still writing, " \
+            "or a rank lost after the job's end)" if reached < job.world else ""
         log.warning("rank 0: the last step, %d, is not complete in the persistent tier (newest complete: %s)%s; see "
-                    "the daemons' logs", last, done[-1] if done else "none", "" if reached >= job.world else
-                    f": {job.world - reached} rank(s) had not seen their node's daemon finish writing")
+                    "the daemons' logs", last, done[-1] if done else "none", late)
 
 
 def _stop_stacks() -> None:

@@ -180,10 +180,12 @@ class Flusher:
             self._proc.kill()
             code = self._proc.wait()
         self._close_sock()
-        if code == 0 and self._stopping:  # it ended as it does after a flush: its answer did not reach us in time
-            return {"ok": False, "kind": "stopped", "message": f"version {header['version']}: the daemon stopped "
-                    f"before the flushing process (pid {self._proc.pid}) answered; it ended cleanly: what it wrote "
-                    "stays (a relaunch checks it)"}
+        if self._stopping:  # the stop's end of it (clean: its answer came too late; else killed at the stop's wait)
+            return {"ok": False, "kind": "stopped", "died": code != 0, "message": f"version {header['version']}: the "
+                    f"daemon stopped before the flushing process (pid {self._proc.pid}) answered; " + (
+                        "it ended cleanly: what it wrote stays (a relaunch checks it)" if code == 0 else
+                        f"it was killed at the end of the stop's wait ({_why(code)}): what it wrote of a version not "
+                        "yet complete is removed")}
         return {"ok": False, "kind": "died", "message": f"the flushing process (pid {self._proc.pid}) died while "
                                                          f"writing: {_why(code)}", "died": True}
 

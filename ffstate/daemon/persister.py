@@ -320,23 +320,23 @@ class Persister:
             if got.get("died"):  # what it wrote of the version is not a rank's files: removed, as a failed write's
                 persist.remove_rank(persist.version_dir(self.root / key.job_id, job.version), key.rank)
             if got["kind"] == "stopped":  # the daemon's stop, not a failure of the tier's
+                self.stats.skipped += 1
                 return log.warning("%s: %s", key, got["message"])
             return self._failed(got["kind"], f"{key}: {got['message']}")
-        if got.get("already"):  # complete on disk: a step redone after a restart, not written again
-            return log.info("%s: version %d is complete in %s already: not written again", key, job.version,
-                            got["vdir"])
-        self.stats.flushed += 1
-        self.stats.bytes += job.copy.nbytes
-        self.stats.seconds = got["seconds"]
-        log.info("%s: version %d flushed to %s (%.1f MB in %.3fs)", key, job.version, got["vdir"],
-                 job.copy.nbytes / 1e6, got["seconds"])
+        already = got.get("already")  # complete on disk (a step redone after a restart): not written again
+        if not already:
+            self.stats.flushed += 1
+            self.stats.bytes += job.copy.nbytes
+            self.stats.seconds = got["seconds"]
+        log.info("%s: version %d %s", key, job.version, f"is complete in {got['vdir']} already: not written again"
+                 if already else f"flushed to {got['vdir']} ({job.copy.nbytes / 1e6:.1f} MB in {got['seconds']:.3f}s)")
         if "complete_error" in got:
             self._failed(got["complete_kind"], f"job {key.job_id}: {got['complete_error']}")
         elif got.get("complete"):
             if job.version > self._complete.get(key.job_id, 0):
                 self._complete[key.job_id] = job.version
                 self.stats.newest_complete = max(self._complete.values())
-                self.stats.completed += 1
+                self.stats.completed += not already  # made complete by this daemon
                 log.info("job %s: version %d is complete in %s", key.job_id, job.version, got["vdir"])
             for gone in got.get("pruned", []):
                 log.info("job %s: removed %s (keeping the newest %d complete versions)", key.job_id, gone, self.keep)

@@ -15,6 +15,7 @@ from ffstate.shm import Slots
 log = logging.getLogger("ffstate.elastic")
 
 DROP_RETRY_MAX = 60.0  # seconds at most between two tries of a drop the daemon failed (a deadline under load)
+DROP_TIMEOUT = 5.0  # seconds each of its calls may take: it runs inside a commit, which the other ranks wait for
 
 
 class ShapeWatch:
@@ -63,8 +64,9 @@ class ShapeWatch:
                 return
             try:
                 daemon = self.daemon()
-                worlds = sorted({s.shard.world_size for s in daemon.inventory(job.job).shards} - {job.world})
-                n = sum(daemon.drop(job.job, -1, w, only_world=True) for w in worlds)
+                held = daemon.inventory(job.job, DROP_TIMEOUT).shards
+                worlds = sorted({s.shard.world_size for s in held} - {job.world})
+                n = sum(daemon.drop(job.job, -1, w, only_world=True, timeout=DROP_TIMEOUT) for w in worlds)
                 if worlds:
                     log.info("rank %d: every rank has a copy at world size %d: dropped %d copies of world size(s) %s "
                              "from node %s's daemon", job.rank, job.world, n, worlds, job.topology.node_id)
