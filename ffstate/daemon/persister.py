@@ -77,8 +77,8 @@ class Persister:
 
     def close(self, attached: list = (), wait: float = 30.0) -> None:
         """Flushes the versions the slots of the ``attached`` ranks hold (``final``: the daemon stops under a job, as
-        when a preempted job's every process is signalled), finishes what is queued (at most ``wait`` seconds in
-        all; nothing if the flushing process is still starting), then stops."""
+        when a preempted job's every process is signalled), finishes what is queued (``wait`` seconds in all, and
+        10 more for a flush still being written: ``Flusher.close``; nothing if it is still starting), then stops."""
         deadline = time.monotonic() + wait
         if attached and self._flusher.ready:
             if said := self.final(attached, wait, every_committed=True):
