@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ffstate import codec, layout
+from ffstate import codec, layout, lazy
 from ffstate.config import Config
 from ffstate.errors import FFStateError
 
@@ -53,12 +53,11 @@ def infer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: int, 
         return Groups(tuple(range(world)), prefixes, f"declared identical across the world: {', '.join(prefixes)}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         import torch.distributed as dist
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         ranks = tuple(sorted(dist.get_process_group_ranks(model.process_group)))
         if len(ranks) < 2:
             return None
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
+        if lazy.is_zero(optimizer):
             return Groups(ranks, ("model",), f"DDP over ranks {list(ranks)}; ZeRO optimizer shards are per rank")
         return Groups(ranks, ("model", "optim/state"), f"DDP over ranks {list(ranks)} with a replicated optimizer")
     return None

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_state_dict)
 
+from ffstate import lazy
 from ffstate.elastic.reader import Chunks, ReplicaReader
 from ffstate.errors import FFStateError
 from ffstate.persist.keys import param_names
@@ -34,9 +35,7 @@ def load(model: torch.nn.Module, optimizer: torch.optim.Optimizer, chunks: Chunk
         FFStateError: the model's keys differ from the copies', the param groups do not match, or DCP refused
             (a key of this run missing from the copies).
     """
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if lazy.is_zero(optimizer):
         _load_zero(model, optimizer, chunks, groups)
         return
     msd, osd = get_state_dict(model, optimizer)

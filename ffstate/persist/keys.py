@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ffstate import lazy
 from ffstate.persist.keymap import KEYS_VERSION
 
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -57,8 +58,6 @@ def _global(t: torch.Tensor) -> tuple[list[int] | None, list[int] | None]:
 def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, timeline: str = "") -> dict:
     """The key map of a job's model and optimizer (see the module docstring); ``timeline`` names the attempt (the
     same on every rank): a version is complete only when every rank's record of it comes from one attempt."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     tensors: dict[str, list[Any]] = {}
     with torch.no_grad():
@@ -66,7 +65,7 @@ def key_map(model: torch.nn.Module, optimizer: torch.optim.Optimizer, timeline: 
             if isinstance(t, torch.Tensor):
                 tensors[f"model/{name}"] = [f"model.{canonical(name, ddp)}", *_global(t)]
     names = param_names(model)
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if lazy.is_zero(optimizer):
         state_prefix, groups_path, local = "optim/shard/state", "optim/groups", optimizer.optim
     else:
         state_prefix, groups_path, local = "optim/state", "optim/param_groups", optimizer

@@ -126,6 +126,41 @@ def test_the_daemon_and_the_command_line_import_without_torch():
     assert got.returncode == 0, got.stderr[-3000:]
 
 
+TRAINING_SIDE = """
+import sys, tempfile
+import torch
+import torch.distributed as dist
+import ffstate.trainer
+from ffstate import capture, lazy
+
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 8)).sum().backward()
+opt.step()
+assert capture.plain_optimizer(opt) and not lazy.is_zero(opt)
+capture.load_optimizer(opt, capture.optimizer_state(opt))
+loaded = sorted(m for m in ("blosc2", "torch.distributed.optim") if m in sys.modules)
+assert not loaded, f"loaded by a training process that never restored: {loaded}"
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+assert lazy.is_zero(zero) and not capture.plain_optimizer(torch.optim.SGD(model.parameters(), differentiable=True))
+assert capture.optimizer_state(zero).keys() == {"shard", "groups"}
+dist.destroy_process_group()
+"""
+
+
+def test_a_training_process_loads_neither_the_entropy_stage_nor_zero_until_it_needs_them():
+    """A rank's start imports what its commits need: blosc2 (with the HTTP client and terminal renderer it brings)
+    is loaded at a restore's first decode, ``torch.distributed.optim`` only by a job that uses ZeRO; together 0.3 s
+    of CPU at every rank's start, every restart's too, which the checks of an optimizer's class paid."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", TRAINING_SIDE], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr[-3000:]
+
+
 def test_every_package_is_in_the_distribution():
     """pyproject.toml lists the packages a wheel holds: one missing installs, and fails at its first import (the bulk
     socket's was, and only the editable install of the Makefile hid it)."""
