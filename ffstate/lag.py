@@ -5,7 +5,9 @@ there (one load). Only past ``max_lag`` versions behind does the rank ask its da
 dead daemon is found (the header stops moving): then ``block`` holds the commit until replication is
 within ``max_lag`` (bounded by ``connect_timeout``), and ``skip`` goes on and says so. ``block`` never holds
 for a holder that is down (the daemon counts them in the header): its node is lost or its daemon restarting,
-and the ranks that would restart it may be waiting for this one in a collective. Every
+and the ranks that would restart it may be waiting for this one in a collective. A hold that gave up (a holder
+that answers but takes nothing: its memory budget full) holds no commit again until replication moves past the
+version it stalled at; the daemon is still asked every ``PUBLISH_EVERY`` seconds meanwhile. Every
 ``PUBLISH_EVERY`` seconds at a commit, when it lags, and on exit, the rank publishes its replicated version
 through the job's store (``Job.publish_replicated``: the job's global committed version)."""
 
@@ -48,6 +50,7 @@ class LagWatch:
         self._published = 0.0  # time.monotonic() of the last publication
         self._short = (0, 0.0, time.monotonic())  # commits held less than HOLD_LOG: count, seconds, since
         self._down_said = False  # "not holding for a holder that is down" logged, until replication catches up
+        self._stalled = (-1, 0.0)  # the replicated version a hold gave up at (-1: none), and when last asked since
         # For SETTLE_COMMITS commits after a start, a restore or a new daemon, the block policy holds at 1 version
         # behind, not max_lag: the holders are being seeded with full versions (or a new node with everything),
         # the link estimate starts over, and failures come in clusters; see SETTLE_COMMITS.
@@ -70,6 +73,10 @@ class LagWatch:
             header = slots.replicated()
             if 0 < header <= step:
                 self.replicated = header
+        if 0 <= self._stalled[0] < self.replicated:
+            log.warning("rank %d: replication moves again (step %d replicated, stalled at %d): commits are held again "
+                        "past max_lag %d", self.job.rank, self.replicated, self._stalled[0], self.job.cfg.max_lag)
+            self._stalled = (-1, 0.0)
         settling = self.settle > 0
         if step - self.replicated > self.limit:
             self._lag(step, slots)  # also how a dead daemon is found: its header stops moving
@@ -84,6 +91,10 @@ class LagWatch:
             if time.monotonic() - self._published > PUBLISH_EVERY:
                 self.publish(self.replicated)
 
+    def restart(self) -> None:
+        """A new daemon: its holders get full versions again, from nothing replicated; it settles as at a start."""
+        self.replicated, self.settle, self._stalled = 0, SETTLE_COMMITS, (-1, 0.0)
+
     @property
     def limit(self) -> int:
         """Versions a commit may run ahead of replication before the block policy holds it."""
@@ -92,6 +103,11 @@ class LagWatch:
 
     def _lag(self, step: int, slots: Slots) -> None:
         cfg, rank, limit = self.job.cfg, self.job.rank, self.limit
+        stalled, asked = self._stalled
+        if stalled >= 0:  # a hold gave up at that version: none again until replication moves past it
+            if time.monotonic() - asked < PUBLISH_EVERY:
+                return
+            self._stalled = (stalled, time.monotonic())
         try:
             self.replicated = self.from_daemon(attached=True)
         except ReplicaUnavailable as e:
@@ -107,12 +123,19 @@ class LagWatch:
         if slots.holders_down():
             self._holder_down(step)
             return
+        if stalled >= 0:
+            return
         start = time.perf_counter()
-        self.wait(step, timeout=cfg.connect_timeout, within=limit, attached=True, slots=slots)
+        ended = self.wait(step, timeout=cfg.connect_timeout, within=limit, attached=True, slots=slots, hold=True)
         held = time.perf_counter() - start
-        if step - self.replicated > limit:
-            log.error("rank %d: replication is stalled %d versions behind (a holder down?); policy block gave up "
-                      "after %.0fs and training goes on", rank, step - self.replicated, held)
+        if ended in ("down", "lost"):  # said already, or the daemon is being replaced
+            return
+        if ended == "timeout":
+            self._stalled = (self.replicated, time.monotonic())
+            log.error("rank %d: replication is stalled %d versions behind (a holder that takes nothing: its memory "
+                      "budget full, or a link that carries nothing?); policy block gave up after %.0fs and holds no "
+                      "commit until replication moves past step %d; training goes on", rank, step - self.replicated,
+                      held, self.replicated)
         elif limit < cfg.max_lag:
             self._settle_held += held
         else:
@@ -143,22 +166,27 @@ class LagWatch:
         self._short = (count, total, since)
 
     def wait(self, last: int, timeout: float | None, within: int = 0, attached: bool = True,
-             slots: Slots | None = None) -> None:
+             slots: Slots | None = None, hold: bool = False) -> str:
         """Waits until replication is within ``within`` versions of ``last`` (at most ``timeout`` seconds; None:
         for ever, bringing a lost daemon back meanwhile). With the rank's ``slots``, it reads their header every
-        ``HEADER_POLL`` seconds and asks the daemon only every ``ASK_EVERY`` (a held commit then costs the wait,
-        not an RPC every poll); the daemon is still how a dead one is found."""
+        ``HEADER_POLL`` seconds and asks the daemon only every ``ASK_EVERY`` (a held commit, or the exit's wait
+        of every rank of a large job, then costs the wait, not an RPC and the store's calls every poll); the daemon
+        is still how a dead one is found. ``hold``: a commit's hold (``_lag`` has just asked the daemon): it ends
+        for a holder that is down, and a lost daemon is brought back at once; otherwise (the exit's wait,
+        ``stats``) a lost daemon ends the wait. Returns how it ended: ``reached``, ``timeout``, ``down`` (a
+        holder down ended a hold) or ``lost`` (the daemon is gone)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if slots is not None:  # the daemon's pacer stops yielding to collectives that wait for this rank
             slots.set_lag_held(True)
         try:
-            self._wait(last, deadline, within, attached, slots)
+            return self._wait(last, deadline, within, attached, slots, hold)
         finally:
             if slots is not None:
                 slots.set_lag_held(False)
 
-    def _wait(self, last: int, deadline: float | None, within: int, attached: bool, slots: Slots | None) -> None:
-        asked = time.monotonic() if slots is not None else float("-inf")  # with slots: _lag has just asked
+    def _wait(self, last: int, deadline: float | None, within: int, attached: bool, slots: Slots | None,
+              hold: bool) -> str:
+        asked = time.monotonic() if hold else float("-inf")  # a hold: _lag has just asked
         while True:
             now = time.monotonic()
             header = slots.replicated() if slots is not None else 0
@@ -169,19 +197,22 @@ class LagWatch:
                 try:
                     self.replicated = self.from_daemon(attached)
                 except ReplicaUnavailable as e:
+                    if hold:  # its replicas went with it: a new daemon (the slots' next commit) ends the hold
+                        self._on_lost(e)
+                        return "lost"
                     if deadline is not None:  # leaving: nothing more to wait for
                         log.warning("rank %d: the node's daemon is gone (%s); not waiting for the replicas",
                                     self.job.rank, e)
-                        return
+                        return "lost"
                     self._on_lost(e)
                     continue
             if last - self.replicated <= within:
-                return
+                return "reached"
             if deadline is not None and now > deadline:
-                return
-            if slots is not None and slots.holders_down():  # waiting for a holder that is down helps nobody
+                return "timeout"
+            if hold and slots is not None and slots.holders_down():  # holding for a holder that is down helps nobody
                 self._holder_down(last)
-                return
+                return "down"
             time.sleep(HEADER_POLL if slots is not None else 0.01)
 
     def from_daemon(self, attached: bool) -> int:

@@ -34,7 +34,6 @@ from ffstate.elastic.keys import KEYS, keys_tensor
 from ffstate.elastic.worker import ShapeWatch
 from ffstate.errors import FFStateError, LayoutChanged, ReplicaError
 from ffstate.job import Job
-from ffstate import lag as lag_mod
 from ffstate.lag import LagWatch
 from ffstate.scheduling.pacing import PacingSignals
 from ffstate.persist import keys as persist_keys
@@ -160,7 +159,7 @@ class Replicated:
             log.warning("rank %d: the last commit (step %d) was not published: %s: %s", self.rank, self._last,
                         type(e).__name__, e)
         if self.holders and self._slots is not None:
-            lag.wait(self._last, self.cfg.exit_timeout)
+            lag.wait(self._last, self.cfg.exit_timeout, slots=self._slots)
             if lag.replicated < self._last:
                 log.warning("rank %d: leaving with replicas at step %d, the last commit is %d", self.rank,
                             lag.replicated, self._last)
@@ -299,7 +298,7 @@ class Replicated:
         """What this rank's node daemon reports about it (``reports.Stats``), after waiting up to ``wait`` seconds
         for the replicas to catch up with the last commit."""
         if wait and self.holders and self._slots is not None:
-            self.lag.wait(self._last, wait)
+            self.lag.wait(self._last, wait, slots=self._slots)
         report = wire.from_proto(self.daemon.inventory(self.job.job), NodeReport)
         return Stats.of(report, self.rank, self.world, self._last)
 
@@ -364,7 +363,7 @@ class Replicated:
         log.error("rank %d: the node's daemon is gone (%s); restarting it and re-attaching", self.rank, error)
         self._detach()
         self.daemon = launch.node_daemon(self.job, lost=self.daemon.address)
-        self.lag.replicated, self.lag.settle = 0, lag_mod.SETTLE_COMMITS  # its holders get full versions again
+        self.lag.restart()  # its holders get full versions again
         self.job.record({"event": "daemon-restarted", "step": self._last})
 
 

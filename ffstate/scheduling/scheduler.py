@@ -285,8 +285,8 @@ class Scheduler:
             _count(link, "catch_ups", 1000, logging.INFO, "replication to %s is %d versions behind: catching up at "
                    "the link's whole rate in the training's windows", holder, behind)
         if behind >= self.deadline:
-            # At the default max_lag 1 this is routine (a version still on its way when the next is taken): INFO, as
-            # the catch-ups; a lag bound that holds the training's commits says so itself (``lag.py``), as a warning.
+            # At the default max_lag 1 (deadline 1) every chunk is one: a holder lacks at least the version being
+            # sent. INFO, as the catch-ups; a lag bound that holds the training's commits says so itself (``lag.py``).
             _count(link, "overrides", 100, logging.INFO, "replication to %s is %d version(s) behind: sending past "
                    "the training's windows", holder, behind)
         if capped:

@@ -106,7 +106,7 @@ def test_a_commit_held_by_the_lag_policy_shows_in_the_header_until_it_is_release
         lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
         lag.replicated = 1
         assert daemon.lag_held() == 0.0
-        lag.wait(4, timeout=5.0, within=1, slots=worker)
+        lag.wait(4, timeout=5.0, within=1, slots=worker, hold=True)
         assert seen and seen[0] > 0.0 and lag.replicated == 3
         assert daemon.lag_held() == 0.0  # released
 
@@ -133,7 +133,7 @@ def test_the_block_policy_does_not_hold_a_commit_for_a_holder_that_is_down(tmp_p
         _patch_sleep(monkeypatch, sleep)
         lag = LagWatch(Job(), daemon=lambda: None, on_lost=lambda e: None)
         lag.replicated = 1
-        lag.wait(9, timeout=60.0, within=4, slots=worker)
+        assert lag.wait(9, timeout=60.0, within=4, slots=worker, hold=True) == "down"
         assert len(polls) == 3 and lag.replicated == 1  # released at once, still lagging
         assert daemon.lag_held() == 0.0 and worker.holders_down() == 1
         daemon.set_replicated(9)  # a push went through: the count clears with the version
