@@ -1,6 +1,7 @@
 """How far replication lags behind this rank's commits, and what the lag policy does about it (docs/design.md I4).
 
-The daemon writes the newest version every holder of the rank has into the slot header; a commit reads it
+The daemon writes the newest version every holder of the rank that answers has into the slot header (a holder
+found unreachable is not counted, where another answers: ``daemon/shard.py``); a commit reads it
 there (one load). Only past ``max_lag`` versions behind does the rank ask its daemon, which is also how a
 dead daemon is found (the header stops moving): then ``block`` holds the commit until replication is
 within ``max_lag`` (bounded by ``connect_timeout``), and ``skip`` goes on and says so. ``block`` never holds

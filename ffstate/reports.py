@@ -174,7 +174,7 @@ class Stats:
     """``ff.stats()``: what a rank's node daemon reports about it, with the node's scheduler counts."""
 
     version: int  # the rank's last commit
-    replicated_version: int  # the newest version every holder of the rank has
+    replicated_version: int  # the newest version every holder of the rank that answers has (daemon/shard.py)
     pushed_bytes: int  # on the wire, counted per holder
     pushed_versions: int
     collectives: int  # the node's: the training's collectives its scheduler saw marked

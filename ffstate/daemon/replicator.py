@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Container, Protocol
 
 from ffstate import codec
 from ffstate.client import Client
@@ -28,6 +28,9 @@ from ffstate.codec import Packed, host
 from ffstate.daemon.shard import Holder, LocalShard
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.scheduling.scheduler import Naive
+
+# One holder's batch: the versions it lacks, in order (empty: its step back first), or None (a look at it first).
+Job = tuple[Holder, "list[tuple[int, Packed]] | None"]
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
@@ -72,9 +75,9 @@ class Replicator:
         self.peers = list(peers)
         self.pacer = pacer or Naive()
         self.poll_interval = poll_interval
-        # Per local rank one batch in flight (_batches), and inside it one push per holder (_pool).
-        self._batches = ThreadPoolExecutor(16, thread_name_prefix="ffstate-batch")
-        self._pool = ThreadPoolExecutor(32, thread_name_prefix="ffstate-push")
+        # Per local rank one batch in flight to each holder: a holder's slow push (a full version re-seeding it, a
+        # link that stalls) does not hold back the others' deltas.
+        self._batches = ThreadPoolExecutor(32, thread_name_prefix="ffstate-batch")
 
     def start(self, shard: LocalShard) -> None:
         shard.thread = threading.Thread(target=self._run, args=(shard,), name=f"ffstate-repl-{shard.key.rank}",
@@ -129,13 +132,13 @@ class Replicator:
 
     def shutdown(self) -> None:
         self._batches.shutdown(wait=False, cancel_futures=True)
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ the loop
 
     def _run(self, shard: LocalShard) -> None:
-        """Takes committed versions as soon as they appear; pushes run beside it, one batch at a time."""
-        pushing = None
+        """Takes committed versions as soon as they appear; pushes run beside it, one batch at a time to each
+        holder (by address: a holder of a reset's list waits for the push to the same address in flight)."""
+        pushing: dict[str, Future] = {}
         while not shard.stop.is_set():
             shard.wake.wait(self.poll_interval)
             shard.wake.clear()
@@ -144,22 +147,22 @@ class Replicator:
                     for version, k in shard.slots.committed(ascending=True):
                         if version > shard.base_version and not self._take(shard, version, k):
                             break
-                    if pushing is not None and pushing.done() and pushing.exception() is not None:
-                        failed, pushing = pushing.exception(), None
-                        raise failed  # a bug in a batch: logged below with its traceback, as one in a round
-                    if pushing is None or pushing.done():
-                        batch = self._batch(shard)
-                        pushing = self._batches.submit(self._send, shard, batch) if batch else None
+                    failed = [pushing.pop(a).exception() for a, f in list(pushing.items()) if f.done()]
+                    for job in self._batch(shard, busy=pushing):
+                        pushing[job[0].address] = self._batches.submit(self._send, shard, job)
+                    if any(failed):  # a bug in a batch: logged below with its traceback, as one in a round
+                        raise next(e for e in failed if e is not None)
             except Exception:  # a bug here must not silently stop replication of this rank
                 log.exception("replication round of %s failed; retrying", shard.key)
                 time.sleep(0.5)
 
-    def _batch(self, shard: LocalShard) -> list[tuple[Holder, list[tuple[int, Packed]] | None]]:
-        """What each due holder needs next: the deltas it lacks, or a full version, or (None) a look at its
-        connection first. Under shard.lock."""
+    def _batch(self, shard: LocalShard, busy: Container[str] = ()) -> list[Job]:
+        """What each due holder (not ``busy``: a push to it in flight) needs next: the deltas it lacks, or a full
+        version, or (None) a look at its connection first. Under shard.lock."""
         now = time.monotonic()
         shard.chain = shard.chain[-self.keep:]
-        due = [h for h in shard.holders if h.acked < shard.base_version and h.next_try <= now]
+        due = [h for h in shard.holders
+               if h.address not in busy and h.acked < shard.base_version and h.next_try <= now]
         if not due or shard.base is None:
             return []
         batch, full = [], None
@@ -178,21 +181,15 @@ class Replicator:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
 
-    def _send(self, shard: LocalShard, batch: list[tuple[Holder, list[tuple[int, Packed]] | None]]) -> None:
-        def send(job: tuple[Holder, list[tuple[int, Packed]] | None]) -> bool:
-            holder, versions = job
+    def _send(self, shard: LocalShard, job: Job) -> None:
+        """One holder's batch: its step back, a look at its connection, or its versions in order."""
+        holder, versions = job
+        try:
             if holder.resume:
                 self._step_back(shard, holder)
-                return False
-            if versions is None:
+            elif versions is None:
                 self._probe(shard, holder)
-                return False
-            return all(self._push(shard, v, holder, packed) for v, packed in versions)
-
-        try:
-            # One holder (k = 1, the default): pushed from this thread, not handed to the pool and waited for.
-            sent = [send(batch[0])] if len(batch) == 1 else list(self._pool.map(send, batch))
-            if any(sent):
+            elif all(self._push(shard, v, holder, packed) for v, packed in versions):
                 shard.last_push = time.time()
         finally:
             shard.wake.set()  # look for what came meanwhile

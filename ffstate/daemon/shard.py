@@ -80,24 +80,32 @@ class LocalShard:
     persist_keys: dict | None = None  # the worker's DCP key map (ffstate/persist/keys.py), for the persistent tier
     said: tuple = (0.0, 0, 0, 0)  # monotonic time, versions, bytes and raw bytes at the last summary in the log
 
+    def _down(self, h: Holder) -> bool:
+        return h.down and h.acked < self.base_version
+
     @property
     def replicated_version(self) -> int:
-        return min((h.acked for h in self.holders), default=0)
+        """The newest version every holder that answers has: one found unreachable (its node lost, its daemon
+        restarting; a full version when it is back) is not counted, so that with ``replicas`` 2 the lag bound holds
+        for the other while it is gone; with every holder unreachable, the newest every holder has."""
+        up = [h.acked for h in self.holders if not self._down(h)]
+        return min(up or [h.acked for h in self.holders], default=0)
 
     @property
     def holders_down(self) -> int:
         """Holders that lack the newest version taken and did not answer their last push."""
-        return sum(1 for h in self.holders if h.down and h.acked < self.base_version)
+        return sum(1 for h in self.holders if self._down(h))
 
     def report(self) -> None:
-        """Writes ``replicated_version`` (and ``holders_down``) into the slot header, where the worker's commit reads
-        its lag.
+        """Writes ``replicated_version`` (and ``holders_down`` where no holder answers: the worker's commit then
+        holds for none) into the slot header, where the worker's commit reads its lag.
 
         Pushes to several holders report from their own threads, and a reset swaps the holders: each
         computes and writes under ``report_lock``, so the last write is always the current minimum.
         """
         with self.report_lock:
-            self.slots.set_replicated(self.replicated_version, self.holders_down)
+            down = self.holders_down
+            self.slots.set_replicated(self.replicated_version, down if down == len(self.holders) else 0)
 
     @property
     def paths(self) -> list[Path]:

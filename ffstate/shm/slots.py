@@ -196,7 +196,7 @@ class Slots(WorkerFields):
         return max((h.commit_ns for h in self.headers), default=0) / 1e9
 
     def replicated(self) -> int:
-        """What the daemon last wrote with ``set_replicated``: the newest version every holder has."""
+        """What the daemon last wrote with ``set_replicated``: the newest version every holder that answers has."""
         return self.headers[0].replicated if self.headers else 0
 
     def restore_record(self) -> tuple[int, int, int, float, float, int]:
