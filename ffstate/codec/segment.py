@@ -75,6 +75,13 @@ def load_blosc2() -> ModuleType:
     return _BLOSC2[0]
 
 
+def preload() -> None:
+    """Loads python-blosc2 on a thread of its own: a rank that found copies to restore from decodes with it, and
+    loads it meanwhile, while the ranks agree on v* (store waits and RPCs), not inside the restore's fetch."""
+    if not _BLOSC2:
+        threading.Thread(target=load_blosc2, name="ffstate-load-blosc2", daemon=True).start()
+
+
 SCRATCH_KEPT = 8 << 20  # bytes of scratch a thread keeps between segments (the encoders' segments: 1 MiB)
 
 
