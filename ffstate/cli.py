@@ -50,10 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from ffstate.errors import FFStateError
 
         from ffstate import placement
-        from ffstate.codec.segment import load_blosc2
         from ffstate.config import Config
-
-        load_blosc2()  # the daemon encodes from its first push on; a training process loads it at its first restore
 
     try:  # by default where the workers look for it: the node's address on the training's network, port 7700
         cfg = DaemonConfig.from_args(args, node_id=args.node_id or DaemonConfig().node_id,

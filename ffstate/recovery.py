@@ -74,9 +74,10 @@ def survey_ranks(job: str, ranks: list[int], world: int, lookups: dict[int, pb.A
                  daemons: dict[str, Client], node_daemon: Client | None = None,
                  others: dict[int, int] | None = None) -> dict[int, Available]:
     """Where each of ``ranks``' shards (made at ``world``) can be restored from: this node's slots (``lookups``,
-    per rank on this node) and every reachable daemon in ``daemons`` (replicas, and other nodes' slots, which their
-    daemon serves too). ``others``, when given, gets the newest version of any copy of the job made at another world
-    size, per world size (what a resize would start from)."""
+    per rank on this node) and every reachable daemon in ``daemons`` (replicas, and other nodes' slots, which
+    their daemon serves too). ``others``, when given, gets the newest version of any copy of the job made at
+    another world size, per world size (what a resize would start from).
+    """
     got = {r: Available(local=list(lookups[r].committed_versions) if lookups.get(r) is not None else [])
            for r in ranks}
     asked = dict(daemons)
@@ -119,13 +120,14 @@ def negotiate(job: Job, mine: set[int], missing: list[str] | None = None, seen: 
     """(v*, newest version any rank has, newest version of the copies made at other world sizes), the same on every
     rank.
 
-    ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs (so that a job
-    whose copies are partly lost is never taken for a new one); ``missing`` says, for the error every rank raises,
-    which of those shards has no live copy at all. ``live`` (of ``mine``) is what it has in memory; the rest is on
-    disk, and when v* would be read from the disk by any rank, every rank first ``check``s its disk-only versions
-    (reading their files: newest first, the good ones returned) and the ranks agree again on what passed: a torn or
-    corrupted version is never chosen. ``others``: the newest version of the copies this rank saw made at other
-    world sizes (a resize); ``name`` keeps two negotiations of one attempt apart.
+    ``mine`` is what this rank can restore; ``seen`` the newest version it saw of any shard it needs
+    (so that a job whose copies are partly lost is never taken for a new one); ``missing`` says, for
+    the error every rank raises, which of those shards has no live copy at all. ``live`` (of ``mine``)
+    is what it has in memory; the rest is on disk, and when v* would be read from the disk by any rank,
+    every rank first ``check``s its disk-only versions (reading their files: newest first, the good ones
+    returned) and the ranks agree again on what passed: a torn or corrupted version is never chosen.
+    ``others``: the newest version of the copies this rank saw made at other world sizes (a resize); ``name``
+    keeps two negotiations of one attempt apart.
 
     Raises:
         FFStateError: some ranks have versions and others none in common, and no copies of another world size
@@ -272,8 +274,6 @@ def restore(job: Job, daemon: Client, holders: list[str], group: tuple[int, ...]
     daemons = {a: job.client(a) for a in [daemon.address, *holders, *_other_daemons(job, needed, holders)]}
     others: dict[int, int] = {}
     available = survey_ranks(job.job, needed, job.world, lookups, daemons, daemon, others)
-    if others or any(a.versions for a in available.values()):  # the fetch decodes: blosc2 loads while v* is agreed
-        codec.preload()
     disk_dir = Path(job.cfg.persist_dir) / job.job if job.cfg.persist_dir else None
     reached = 0
     if disk_dir is not None:  # the persistent tier: its complete versions (checked before any is read)

@@ -27,7 +27,6 @@ from ffstate.codec.chunks import (CHUNK_OVERHEAD, DEFAULT_CHUNK_BYTES, FORMAT, M
                                   MIN_CHUNK_BYTES, Chunk, Packed, Snapshot, segments, verify_chunks)
 from ffstate.codec.delta import (decode, decode_snapshot, encode, encode_chunks, encode_snapshot, encode_started,
                                  revert_snapshot)
-from ffstate.codec.segment import preload
 
 if TYPE_CHECKING:
     from ffstate.codec.decoder import Decoder
@@ -44,5 +43,5 @@ __getattr__, __dir__ = lazy.attach(globals(), _TORCH_SIDE)
 __all__ = ["CHUNK_OVERHEAD", "DEFAULT_CHUNK_BYTES", "FORMAT", "MAX_CHUNK_BYTES", "MAX_HEADER_BYTES", "MIN_CHUNK_BYTES",
            "Chunk", "Decoder", "Packed", "Snapshot", "_map", "_pool", "_use_kernels", "buffer_checksum", "decode",
            "decode_snapshot", "encode", "encode_chunks", "encode_snapshot", "encode_started", "fingerprint", "pack",
-           "pack_into", "pack_targets", "preload", "restore_into", "revert_snapshot", "segments", "unpack",
-           "unpack_verified", "verify_chunks"]
+           "pack_into", "pack_targets", "restore_into", "revert_snapshot", "segments", "unpack", "unpack_verified",
+           "verify_chunks"]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import struct
 import threading
-from types import ModuleType
 
+import blosc2
 import numpy as np
 
 from ffstate.errors import CodecError
@@ -46,40 +46,20 @@ STORE_BELOW = 1.1
 PROBE = 4, 16 << 10  # slices of a segment compressed to decide, and their bytes: 64 KiB of a 1 MiB segment
 SEGMENT = struct.Struct("<4sIQQ")  # magic, itemsize, byte offset in the snapshot buffer, element count
 ITEMSIZES = (1, 2, 4, 8, 16)
-CODECS = {"lz4": "LZ4", "zstd": "ZSTD"}  # the codec's names -> blosc2's ``Codec`` members
+CODECS = {"lz4": blosc2.Codec.LZ4, "zstd": blosc2.Codec.ZSTD}
 LEVEL = 1  # LZ4 and ZSTD level 1: measured (bench codec), higher levels bought little ratio for much time
 # blosc2's blocks of 256 KiB, the shuffled bytes not split into streams: of the settings tried on AdamW deltas
 # (levels 1-5, split or not, 64-256 KiB blocks), the fastest both ways, and the best ratio (1.39x with LZ4).
 BLOCK = 256 << 10
 MAX_CALL = 2**31 - 64  # bytes one blosc2 call takes (its 2 GB limit, less its header); segments stay far below
 _SCRATCH = threading.local()
+# blosc2 keeps the interpreter lock while it compresses unless told otherwise: released, the codec's thread pool
+# runs segments side by side, and the daemon's other threads (its gRPC server, the replicator) run meanwhile.
+blosc2.set_releasegil(True)
 THREADS = [1]  # threads blosc2 uses inside one call; the codec's pool runs one segment per thread
 # The integer lanes a segment's elements are differenced in, by element size: (unsigned, signed, bits - 1).
 LANES = {1: (np.uint8, np.int8, 7), 2: (np.uint16, np.int16, 15), 4: (np.uint32, np.int32, 31),
          8: (np.uint64, np.int64, 63), 16: (np.uint64, np.int64, 63)}
-
-
-_BLOSC2: list[ModuleType] = []
-
-
-def load_blosc2() -> ModuleType:
-    """python-blosc2, imported at the first segment encoded or decoded: a training process that never restores
-    never loads it (0.2 s of CPU a process: it brings an HTTP client and a terminal renderer with it)."""
-    if not _BLOSC2:
-        import blosc2
-
-        # blosc2 keeps the interpreter lock while it compresses unless told otherwise: released, the codec's thread
-        # pool runs segments side by side, and the daemon's other threads (its gRPC server, the replicator) run.
-        blosc2.set_releasegil(True)
-        _BLOSC2.append(blosc2)
-    return _BLOSC2[0]
-
-
-def preload() -> None:
-    """Loads python-blosc2 on a thread of its own: a rank that found copies to restore from decodes with it, and
-    loads it meanwhile, while the ranks agree on v* (store waits and RPCs), not inside the restore's fetch."""
-    if not _BLOSC2:
-        threading.Thread(target=load_blosc2, name="ffstate-load-blosc2", daemon=True).start()
 
 
 SCRATCH_KEPT = 8 << 20  # bytes of scratch a thread keeps between segments (the encoders' segments: 1 MiB)
@@ -133,10 +113,9 @@ def undelta(z: np.ndarray, out: np.ndarray, itemsize: int, revert: bool = False)
 
 def compress(d: np.ndarray, itemsize: int, codec: str = "lz4") -> bytes:
     """The entropy stage alone: blosc2's stream of ``d`` (a byte shuffle by ``itemsize``, level ``LEVEL``)."""
-    b = load_blosc2()
-    return b.compress2(d, typesize=itemsize, clevel=LEVEL, codec=b.Codec[CODECS[codec]], nthreads=THREADS[0],
-                       filters=[b.Filter.SHUFFLE if itemsize > 1 else b.Filter.NOFILTER], filters_meta=[0],
-                       splitmode=b.SplitMode.NEVER_SPLIT, blocksize=BLOCK)
+    return blosc2.compress2(d, typesize=itemsize, clevel=LEVEL, codec=CODECS[codec], nthreads=THREADS[0],
+                            filters=[blosc2.Filter.SHUFFLE if itemsize > 1 else blosc2.Filter.NOFILTER],
+                            filters_meta=[0], splitmode=blosc2.SplitMode.NEVER_SPLIT, blocksize=BLOCK)
 
 
 def encode_segment(data: np.ndarray, base: np.ndarray | None, itemsize: int, offset: int,
@@ -191,7 +170,7 @@ def _body(payload: np.ndarray, itemsize: int, offset: int, n: int) -> tuple[np.n
     if body.size < 16:
         raise CodecError(f"segment at byte {offset} is truncated: {payload.size} bytes")
     try:
-        nbytes, cbytes, _ = load_blosc2().get_cbuffer_sizes(body)
+        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(body)
     except Exception as e:  # a header blosc2 cannot read
         raise CodecError(f"segment at byte {offset}: not a blosc2 stream ({e})") from None
     if nbytes != n * itemsize or cbytes != body.size:
@@ -217,7 +196,7 @@ def apply_segment(payload: np.ndarray, itemsize: int, offset: int, out: np.ndarr
         np.copyto(target, body)  # a delta's copy too: ``undelta`` overwrites it, and the payload is the caller's
     else:
         try:
-            load_blosc2().decompress2(body, dst=target, nthreads=THREADS[0])
+            blosc2.decompress2(body, dst=target, nthreads=THREADS[0])
         except (ValueError, RuntimeError) as e:
             raise CodecError(f"segment at byte {offset}: blosc2 could not decompress it ({e})") from None
     if not into_zeros:
