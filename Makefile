@@ -26,7 +26,7 @@ install: $(STAMP)
 # write no bytecode (PYTHONDONTWRITEBYTECODE, set on CI machines like this one) every worker, daemon and test process
 # compiled them again, 0.25 s of CPU each. Only what changed since the last run is compiled again.
 bytecode: $(STAMP)
-	@$(PY) -m compileall -q ffstate bench testing demo tests >/dev/null
+	@$(PY) -m compileall -q ffstate bench testing demo kernels tests
 
 # Two workers: the whole-job tests (torchrun, timed in steps) one after another on one, the rest beside them
 # (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.

@@ -64,7 +64,7 @@ class Config:
             on the CPUs of the rank that starts it.
         max_lag: W, how many versions replication may fall behind the training before the lag
             policy acts; also the deltas each holder keeps to step back. 1 (the default) bounds a node's loss at one
-            step: a commit waits, when it must, until every holder has the step before it.
+            step: a commit waits, when it must, until every holder that answers has the step before it.
         lag_policy: ``block`` holds ``commit`` until replication is within ``max_lag``; ``skip``
             lets it run ahead (the replicator always jumps to the newest version) and logs it.
         shadow_ddp_step: after a restore under DDP, run one shadow forward/backward on the first

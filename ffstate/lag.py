@@ -177,12 +177,13 @@ class LagWatch:
         ``stats``) a lost daemon ends the wait. Returns how it ended: ``reached``, ``timeout``, ``down`` (a
         holder down ended a hold) or ``lost`` (the daemon is gone)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if slots is not None:  # the daemon's pacer stops yielding to collectives that wait for this rank
+        held = slots is not None and hold  # the exit's and stats' waits are no commit's hold (the watchdog, held_ns)
+        if held:  # the daemon's pacer stops yielding to collectives that wait for this rank
             slots.set_lag_held(True)
         try:
             return self._wait(last, deadline, within, attached, slots, hold)
         finally:
-            if slots is not None:
+            if held:
                 slots.set_lag_held(False)
 
     def _wait(self, last: int, deadline: float | None, within: int, attached: bool, slots: Slots | None,

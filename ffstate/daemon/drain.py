@@ -5,9 +5,9 @@
    (every step has a collective), and the step they stopped at, T, is the newest step of the whole job. A local
    rank that had already passed its commit when the mark came is blocked in the next step's collective: it
    stopped at T too, without saying so.
-2. The daemon waits until every local rank's newest commit is T and every holder has T (its replication goes
-   on meanwhile): the node's ranks can then be restored elsewhere from their replicas at T, and every other
-   rank from its own node's slots at T. The drain is *drained*.
+2. The daemon waits until every local rank's newest commit is T and every holder that answers has T (its
+   replication goes on meanwhile): the node's ranks can then be restored elsewhere from their replicas at T, and
+   every other rank from its own node's slots at T. The drain is *drained*.
 3. With ``leave``, the daemon sends SIGTERM to the ranks' torchrun agent (to a worker without one): an agent
    stopped by a signal leaves the rendezvous open (torchrun closes it only when an agent ends normally), the
    other nodes' workers fail in their collective, their agents restart them, and the job re-forms without this

@@ -30,12 +30,12 @@ class ReportCollector(Collector):
         shard = ["node", "job", "rank"]
         sent = CounterMetricFamily("ffstate_replicated_bytes", "Bytes a local rank sent to its holders (wire)", labels=shard)
         versions = CounterMetricFamily("ffstate_replicated_versions", "Versions sent, once per holder", labels=shard)
-        lag = GaugeMetricFamily("ffstate_lag_versions", "Newest committed version minus what every holder has",
-                                labels=shard)
+        lag = GaugeMetricFamily("ffstate_lag_versions",
+                                "Newest committed version minus what every holder that answers has", labels=shard)
         ratio = GaugeMetricFamily("ffstate_compression_ratio", "Raw bytes over wire bytes of the versions sent",
                                   labels=shard)
-        queue = GaugeMetricFamily("ffstate_queue_versions", "Versions read from the slots, not yet on every holder",
-                                  labels=shard)
+        queue = GaugeMetricFamily("ffstate_queue_versions",
+                                  "Versions read from the slots, not yet on every holder that answers", labels=shard)
         state = GaugeMetricFamily("ffstate_state_bytes", "A local rank's whole packed state (no razor)", labels=shard)
         replicated = GaugeMetricFamily("ffstate_replicated_state_bytes",
                                        "What a local rank replicates of it (razor: its own entries and its part)",

@@ -30,7 +30,7 @@ from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavai
 from ffstate.scheduling.scheduler import Naive
 
 # One holder's batch: the versions it lacks, in order (empty: its step back first), or None (a look at it first).
-Job = tuple[Holder, "list[tuple[int, Packed]] | None"]
+HolderBatch = tuple[Holder, "list[tuple[int, Packed]] | None"]
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
@@ -147,16 +147,18 @@ class Replicator:
                     for version, k in shard.slots.committed(ascending=True):
                         if version > shard.base_version and not self._take(shard, version, k):
                             break
-                    failed = [pushing.pop(a).exception() for a, f in list(pushing.items()) if f.done()]
+                    for address, f in list(pushing.items()):
+                        if f.done():
+                            del pushing[address]
+                            if not f.cancelled() and f.exception() is not None:  # a bug in a batch: said, with where
+                                log.error("replication of %s to %s failed", shard.key, address, exc_info=f.exception())
                     for job in self._batch(shard, busy=pushing):
                         pushing[job[0].address] = self._batches.submit(self._send, shard, job)
-                    if any(failed):  # a bug in a batch: logged below with its traceback, as one in a round
-                        raise next(e for e in failed if e is not None)
             except Exception:  # a bug here must not silently stop replication of this rank
                 log.exception("replication round of %s failed; retrying", shard.key)
                 time.sleep(0.5)
 
-    def _batch(self, shard: LocalShard, busy: Container[str] = ()) -> list[Job]:
+    def _batch(self, shard: LocalShard, busy: Container[str] = ()) -> list[HolderBatch]:
         """What each due holder (not ``busy``: a push to it in flight) needs next: the deltas it lacks, or a full
         version, or (None) a look at its connection first. Under shard.lock."""
         now = time.monotonic()
@@ -181,7 +183,7 @@ class Replicator:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
 
-    def _send(self, shard: LocalShard, job: Job) -> None:
+    def _send(self, shard: LocalShard, job: HolderBatch) -> None:
         """One holder's batch: its step back, a look at its connection, or its versions in order."""
         holder, versions = job
         try:

@@ -63,7 +63,7 @@ class Header(ctypes.LittleEndianStructure):
         ("comm_inflight", _i64),
         ("comm_count", _u64),
         ("comm_ring", Interval * COMM_RING),
-        # Daemon, slot 0: the newest version every holder of this rank has (the worker's lag check).
+        # Daemon, slot 0: the newest version every holder of this rank that answers has (the worker's lag check).
         ("replicated", _u64),
         # Worker, slot 0: wall-clock ns since its commit is held until replication catches up (policy block;
         # 0: not held). The other ranks then wait for it in their collectives: the daemon's pacer must not.

@@ -322,8 +322,8 @@ class Slots(WorkerFields):
         h.checked_seq = view.seq
 
     def set_replicated(self, version: int, holders_down: int = 0) -> None:
-        """The newest version every holder of this rank has (0: none, or forgotten), and how many of the holders
-        that lack the newest version are down."""
+        """The newest version every holder of this rank that answers has (0: none, or forgotten), and how many of
+        the holders that lack the newest version are down (written only where none answers: ``daemon/shard.py``)."""
         try:
             self.headers[0].holders_down = holders_down
             self.headers[0].replicated = version
