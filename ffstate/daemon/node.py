@@ -76,7 +76,7 @@ class Node:
         taken = (lambda s, v, m, d, c, u: self.persister.offer(s.key, v, m, d, c, s.persist_keys, u)) if self.persister else None
         self.replicator = Replicator(lambda addr: Client(addr, cfg.token, tls=tls, timeout=30.0, retries=0),
                                      list(cfg.peers), pacer or self._pacer(), poll_interval=cfg.slot_poll,
-                                     keep=cfg.keep_deltas, taken=taken)
+                                     keep=cfg.keep_deltas, taken=taken, budget=self.store)
         self.local: dict[ShardKey, LocalShard] = {}
         self._lock = threading.Lock()
         self.last_activity = time.monotonic()

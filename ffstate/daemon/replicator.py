@@ -25,12 +25,12 @@ from typing import Any, Callable, Container, Protocol
 from ffstate import codec
 from ffstate.client import Client
 from ffstate.codec import Packed, host
-from ffstate.daemon.shard import Holder, LocalShard
+from ffstate.daemon.shard import FullVersion, Holder, LocalShard
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.scheduling.scheduler import Naive
 
 # One holder's batch: the versions it lacks, in order (empty: its step back first), or None (a look at it first).
-HolderBatch = tuple[Holder, "list[tuple[int, Packed]] | None"]
+HolderBatch = tuple[Holder, "list[tuple[int, Packed | FullVersion]] | None"]
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
@@ -66,8 +66,10 @@ class Replicator:
     """Runs one sender thread per local rank."""
 
     def __init__(self, make_client: Callable[[str], Client], peers: list[str], pacer: Pacer | None = None,
-                 poll_interval: float = 0.05, keep: int = 8, taken: Callable[..., None] | None = None):
+                 poll_interval: float = 0.05, keep: int = 8, taken: Callable[..., None] | None = None,
+                 budget: Any = None):
         self.make_client = make_client
+        self.budget = budget  # reserve(nbytes, what) / release(nbytes): counts a full version's copy and encoding
         # taken(shard, version, manifest, data, checksum, unchanged): each version as it is taken from the slot,
         # while the slot cannot change (the persistent tier's copy)
         self.taken = taken
@@ -177,11 +179,26 @@ class Replicator:
                 continue
             start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
             if start is None:
-                full = full or codec.encode_snapshot(shard.base, chunk_bytes=self.pacer.chunk_bytes())  # base changes in place
-                batch.append((h, [(shard.base_version, full)]))
+                full = full or self._full(shard)
+                batch.append((h, [(shard.base_version, full.use() if isinstance(full, FullVersion) else full)]))
             else:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
+
+    def _full(self, shard: LocalShard) -> FullVersion | Packed:
+        """The daemon's copy as a full version, encoded on the push threads from a copy (the copy changes in place
+        at the next version taken); with no room in the budget for the copy and its encoding, encoded here, under
+        the shard's lock, as a smaller daemon must (no version is taken meanwhile)."""
+        base, counted = shard.base, 2 * shard.manifest.nbytes
+        if self.budget is not None:
+            try:
+                self.budget.reserve(counted, f"a full version of {shard.key} for a holder that lacks it")
+            except ReplicaError as e:
+                log.info("%s; encoding it in the replication loop instead (no version is taken meanwhile)", e)
+                return codec.encode_snapshot(base, chunk_bytes=self.pacer.chunk_bytes())
+        copy = codec.Snapshot(base.manifest, host.clone(base.buffer), base.checksum)
+        return FullVersion(shard.base_version, copy, self.pacer.chunk_bytes(), counted if self.budget else 0,
+                           self.budget and self.budget.release)
 
     def _send(self, shard: LocalShard, job: HolderBatch) -> None:
         """One holder's batch: its step back, a look at its connection, or its versions in order."""
@@ -191,9 +208,13 @@ class Replicator:
                 self._step_back(shard, holder)
             elif versions is None:
                 self._probe(shard, holder)
-            elif all(self._push(shard, v, holder, packed) for v, packed in versions):
+            elif all(self._push(shard, v, holder, p.packed() if isinstance(p, FullVersion) else p)
+                     for v, p in versions):
                 shard.last_push = time.time()
         finally:
+            for _, p in versions or ():
+                if isinstance(p, FullVersion):
+                    p.done()
             shard.wake.set()  # look for what came meanwhile
 
     def _take(self, shard: LocalShard, version: int, k: int) -> bool:
@@ -332,17 +353,18 @@ class Replicator:
         # A full version (a holder seeded) is news; the deltas of a steady run are summed up once a minute.
         log.log(logging.INFO if packed.kind == "full" else logging.DEBUG, "pushed %s version %d to %s: %s, %d bytes "
                 "(%.2fx)", k, version, holder.address, packed.kind, packed.nbytes, packed.ratio)
-        self._summary(shard)
+        _summary(shard)
         return True
 
-    @staticmethod
-    def _summary(shard: LocalShard) -> None:
-        at, versions, nbytes, raw = shard.said
-        now = time.monotonic()
-        if now - at < SUMMARY_EVERY:
-            return
-        shard.said = (now, shard.pushed_versions, shard.pushed_bytes, shard.pushed_raw_bytes)
-        if at:
-            log.info("%s: %d versions pushed in the last %.0fs, up to version %d, %.1f MB on the wire (%.2fx)",
-                     shard.key, shard.pushed_versions - versions, now - at, shard.base_version,
-                     (shard.pushed_bytes - nbytes) / 1e6, (shard.pushed_raw_bytes - raw) / max(1, shard.pushed_bytes - nbytes))
+
+def _summary(shard: LocalShard) -> None:
+    """Once a minute, the log's summary of a shard's pushes (each delta is logged at DEBUG)."""
+    at, versions, nbytes, raw = shard.said
+    now = time.monotonic()
+    if now - at < SUMMARY_EVERY:
+        return
+    shard.said = (now, shard.pushed_versions, shard.pushed_bytes, shard.pushed_raw_bytes)
+    if at:
+        log.info("%s: %d versions pushed in the last %.0fs, up to version %d, %.1f MB on the wire (%.2fx)",
+                 shard.key, shard.pushed_versions - versions, now - at, shard.base_version,
+                 (shard.pushed_bytes - nbytes) / 1e6, (shard.pushed_raw_bytes - raw) / max(1, shard.pushed_bytes - nbytes))

@@ -155,6 +155,47 @@ class LocalShard:
         return snap
 
 
+class FullVersion:
+    """A full version of the daemon's copy, for the holders that lack a base (a holder re-seeded): encoded from a
+    private copy, on the first of its holders' push threads, once for all of them, so the shard's loop goes on
+    taking versions meanwhile (a large state's encoding takes seconds: versions not taken hold the worker's
+    commits, then are overwritten). Its memory, the copy and the encoding, is counted (``counted`` bytes, given
+    back with ``release``) until the last of its holders' pushes ends (``done``)."""
+
+    def __init__(self, version: int, snapshot: Snapshot, chunk_bytes: int, counted: int = 0,
+                 release: Any = None):
+        self.version, self._snapshot, self._chunk_bytes = version, snapshot, chunk_bytes
+        self._counted, self._release = counted, release
+        self._lock = threading.Lock()
+        self._packed: Packed | None = None
+        self._users = 0
+
+    def use(self) -> "FullVersion":
+        """One more holder's push will send it (under the shard's lock, before the push is submitted)."""
+        with self._lock:
+            self._users += 1
+        return self
+
+    def packed(self) -> Packed:
+        """The encoding, made by the first push that asks (the others wait for it)."""
+        with self._lock:
+            if self._packed is None:
+                self._packed = codec.encode_snapshot(self._snapshot, chunk_bytes=self._chunk_bytes)
+                self._snapshot = None
+            return self._packed
+
+    def done(self) -> None:
+        """One holder's push of it ended (sent or not); the last one frees its memory."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0:
+                return
+            self._packed = self._snapshot = None
+        if self._counted and self._release is not None:
+            self._release(self._counted)
+            self._counted = 0
+
+
 GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while it was read
 
 

@@ -75,3 +75,108 @@ def test_a_closed_client_is_never_reachable_and_its_look_ends_quietly():
         c.close()
         assert not c.reachable()
     time.sleep(0.6)  # past the watching thread's next tick (0.2 s)
+
+
+class Recording:
+    """A holder's client that takes every push, recording (version, kind, base version)."""
+
+    def __init__(self):
+        self.pushes = []
+
+    def reachable(self) -> bool:
+        return True
+
+    def push_and_commit(self, job, rank, world, version, packed, base_version, before_chunk=None):
+        self.pushes.append((version, packed.kind, base_version))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_holder_re_seeded_with_a_full_version_does_not_stop_the_versions_being_taken(tmp_path, monkeypatch):
+    """A holder that lacks a base gets a full version, whose encoding takes seconds for a large state. It was made in
+    the replicator's loop, under the shard's lock: no version was taken meanwhile, so a block-policy commit waited
+    SLOT_WAIT and overwrote a version the daemon had not read (never replicated), and the commits stalled. The full
+    version is encoded from a copy on the holder's own push thread; the loop goes on taking versions."""
+    import threading
+
+    import torch
+    from helpers import worker_and_daemon_slots
+
+    from ffstate import codec
+    from ffstate.commit import SlotWriter
+    from ffstate.daemon.shard import LocalShard
+    from ffstate.daemon.store import Store
+
+    gate, encoding, real = threading.Event(), threading.Event(), codec.encode_snapshot
+
+    def slow_full(snapshot, base=None, **kw):  # as a large state's full encoding: until the test lets it end
+        if base is None:
+            encoding.set()
+            assert gate.wait(30)
+        return real(snapshot, base, **kw)
+
+    monkeypatch.setattr(codec, "encode_snapshot", slow_full)
+    state = {"w": torch.zeros(4096)}
+    with worker_and_daemon_slots(tmp_path, monkeypatch, state) as (state, worker, daemon_slots):
+        client = Recording()
+        shard = LocalShard(ShardKey("j", 0, 1), daemon_slots.manifest, daemon_slots, [Holder("b:1", client)], 0)
+        store = Store(1 << 30, 8, 1 << 20)  # the daemon's budget counts the copy and its encoding
+        rep = Replicator(lambda a: client, [], poll_interval=0.01, budget=store)
+        writer = SlotWriter(worker)
+        writer.commit(state, 1, wait=2.0)
+        rep.start(shard)
+        try:
+            assert encoding.wait(10)  # version 1's full version is being encoded for the holder
+            for version in range(2, 6):
+                state["w"][version] = version
+                writer.commit(state, version, wait=2.0)
+                assert not worker.wait_timed_out, f"version {version - 2} was overwritten before the daemon read it"
+            deadline = time.monotonic() + 5
+            while shard.base_version < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert shard.base_version == 5 and not client.pushes  # every version taken, the full one still encoding
+            assert store.used == 2 * shard.manifest.nbytes
+            gate.set()
+            deadline = time.monotonic() + 10
+            while shard.holders[0].acked < 5 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert client.pushes == [(1, "full", 0), (2, "delta", 1), (3, "delta", 2), (4, "delta", 3),
+                                     (5, "delta", 4)]
+            assert store.used == 0  # given back once sent
+        finally:
+            gate.set()
+            rep.stop(shard)
+            rep.shutdown()
+            writer.close()
+
+
+def test_with_no_room_for_its_copy_a_full_version_is_encoded_in_the_loop_as_before(tmp_path, monkeypatch, caplog):
+    import logging
+
+    import torch
+    from helpers import worker_and_daemon_slots
+
+    from ffstate.commit import SlotWriter
+    from ffstate.daemon.shard import LocalShard
+    from ffstate.daemon.store import Store
+
+    with worker_and_daemon_slots(tmp_path, monkeypatch, {"w": torch.arange(4096.0)}) as (state, worker, daemon_slots):
+        client, store = Recording(), Store(1000, 8, 1 << 20)  # less than the state's copy
+        shard = LocalShard(ShardKey("j", 0, 1), daemon_slots.manifest, daemon_slots, [Holder("b:1", client)], 0)
+        rep = Replicator(lambda a: client, [], poll_interval=0.01, budget=store)
+        writer = SlotWriter(worker)
+        rep.start(shard)
+        try:
+            with caplog.at_level(logging.INFO, logger="ffstate.daemon.replicator"):
+                for version in (1, 2):
+                    writer.commit(state, version, wait=2.0)
+                deadline = time.monotonic() + 10
+                while shard.holders[0].acked < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            assert client.pushes[0][1] == "full" and client.pushes[-1][0] == 2  # the full one at version 1 or 2
+            assert "encoding it in the replication loop instead" in caplog.text and store.used == 0
+        finally:
+            rep.stop(shard)
+            rep.shutdown()
+            writer.close()
