@@ -83,6 +83,7 @@ class ShardReport:
     staged_version: int = 0  # a replica's version pushed and not yet committed (0: none)
     staged_bytes: int = 0
     watch: WatchReport | None = None
+    holders_down: int = 0
     # For the metrics only (not in ShardInfo): a local rank's versions read from its slots, not yet on every
     # holder, and the raw bytes of the versions it sent (over ``pushed_bytes``: the compression ratio).
     queue_versions: int = field(default=0, metadata=LOCAL)

@@ -184,9 +184,11 @@ def test_a_holder_that_stalls_or_is_lost_holds_back_neither_the_other_holder_nor
     """With two holders (``replicas`` 2) each gets its pushes on its own: one whose daemon stops answering (its push
     hangs until its deadline, minutes) held back the other's deltas all that while. One found unreachable is not
     counted in the version the worker's lag check reads (nor in its down count, which made the check hold for
-    none), so the bound holds for the other while it is gone."""
+    none), so the bound holds for the other while it is gone; ``ffstate status`` and the metrics say it is down."""
+    import urllib.request
+
     b, c = daemons.start(), daemons.start()
-    a = daemons.start("--peer", b.address, "--peer", c.address)
+    a = daemons.start("--peer", b.address, "--peer", c.address, metrics=True)
     slots, states = attached_slots(a, "j8", 8)
     cb, cc = b.client(), c.client()
     writer = SlotWriter(slots)
@@ -205,6 +207,15 @@ def test_a_holder_that_stalls_or_is_lost_holds_back_neither_the_other_holder_nor
                    what=f"the header at C's version, no holder down to skip the hold for: {slots.replicated()}, "
                         f"{slots.holders_down()}")
         assert_bitwise_equal(codec.decode(cc.fetch("j8", 0, 1)), states[7])
+        with a.client() as ca:  # the lag is C's (0); B is not hidden by it
+            local = next(s for s in ca.inventory("j8").shards if s.local)
+        assert (local.version, local.replicated_version, local.holders_down) == (8, 8, 1)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics", timeout=10).read().decode()
+        assert f'ffstate_holders_down{{job="j8",node="{a.node_id}",rank="0"}} 1.0' in text, text
+        out = subprocess.run([sys.executable, "-m", "ffstate.cli", "status", "--daemon", a.address],
+                             capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "FFSTATE_TOKEN": TOKEN, "COLUMNS": "200"})
+        assert re.search(r"j8 +│ +0/1 +│ +local +│ +8 .*│ +0 \(1 holder down\)", out.stdout), out.stdout
     finally:
         slots.close()
         b.kill()  # stopped still, if a check above failed
@@ -527,6 +538,7 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     assert sent > 1_000_000  # a full version and three deltas of a TinyGPT state
     assert next(v for k, v in metric.items() if k.startswith("ffstate_replicated_versions_total")) == 4
     assert next(v for k, v in metric.items() if k.startswith("ffstate_lag_versions")) == 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_holders_down")) == 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_estimate_bytes_per_second")) > 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_share")) == 0.8
     # The writer marks no collectives: nothing seen, nothing met.
