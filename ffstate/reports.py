@@ -84,6 +84,7 @@ class ShardReport:
     staged_bytes: int = 0
     watch: WatchReport | None = None
     holders_down: int = 0
+    holders_seeding: int = 0
     # For the metrics only (not in ShardInfo): a local rank's versions read from its slots, not yet on every
     # holder, and the raw bytes of the versions it sent (over ``pushed_bytes``: the compression ratio).
     queue_versions: int = field(default=0, metadata=LOCAL)

@@ -89,8 +89,10 @@ def main(args: argparse.Namespace) -> int:
         if s.local:  # "-": nothing to lag behind (no version yet, or no holder: a one-node job)
             lag = str(s.version - s.replicated_version) if s.version and (s.replicated_version or s.pushed_versions) \
                 else "-"
-            if s.holders_down:  # replicas 2: the lag is the holder's that answers; this one has no copy here
-                lag += f" ([red]{s.holders_down} holder{'s' if s.holders_down > 1 else ''} down[/red])"
+            # holders left out of the lag (with replicas 2, while another is current): no copy kept within it
+            for n, what in ((s.holders_down, "down"), (s.holders_seeding, "being seeded")):
+                if n:
+                    lag += f" ([red]{n} holder{'s' if n > 1 else ''} {what}[/red])"
         else:
             # The owner's daemon was asked first: a replica that moved on since reads as ahead of it (-1), never is.
             lag = str(max(0, owners[key] - s.version)) if key in owners else "?"

@@ -197,7 +197,7 @@ class InventoryRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled", "staged_version", "staged_bytes", "watch", "holders_down")
+    __slots__ = ("shard", "local", "version", "versions", "bytes", "last_update_unix", "source", "replicated_version", "razor", "pushed_bytes", "pushed_versions", "restore", "profiled", "staged_version", "staged_bytes", "watch", "holders_down", "holders_seeding")
     SHARD_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class ShardInfo(_message.Message):
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
     HOLDERS_DOWN_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_SEEDING_FIELD_NUMBER: _ClassVar[int]
     shard: ShardKey
     local: bool
     version: int
@@ -232,7 +233,8 @@ class ShardInfo(_message.Message):
     staged_bytes: int
     watch: WatchInfo
     holders_down: int
-    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., watch: _Optional[_Union[WatchInfo, _Mapping]] = ..., holders_down: _Optional[int] = ...) -> None: ...
+    holders_seeding: int
+    def __init__(self, shard: _Optional[_Union[ShardKey, _Mapping]] = ..., local: _Optional[bool] = ..., version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ..., bytes: _Optional[int] = ..., last_update_unix: _Optional[float] = ..., source: _Optional[str] = ..., replicated_version: _Optional[int] = ..., razor: _Optional[_Union[RazorInfo, _Mapping]] = ..., pushed_bytes: _Optional[int] = ..., pushed_versions: _Optional[int] = ..., restore: _Optional[_Union[RestoreInfo, _Mapping]] = ..., profiled: _Optional[_Union[ProfiledInfo, _Mapping]] = ..., staged_version: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., watch: _Optional[_Union[WatchInfo, _Mapping]] = ..., holders_down: _Optional[int] = ..., holders_seeding: _Optional[int] = ...) -> None: ...
 
 class WatchInfo(_message.Message):
     __slots__ = ("step_seconds", "compute_seconds", "since_seconds", "deadline_seconds", "paused", "hangs", "straggler_ratio", "pid", "commit_seconds")

@@ -31,11 +31,15 @@ class ReportCollector(Collector):
         sent = CounterMetricFamily("ffstate_replicated_bytes", "Bytes a local rank sent to its holders (wire)", labels=shard)
         versions = CounterMetricFamily("ffstate_replicated_versions", "Versions sent, once per holder", labels=shard)
         lag = GaugeMetricFamily("ffstate_lag_versions",
-                                "Newest committed version minus what every holder that answers has", labels=shard)
+                                "Newest committed version minus what every holder that answers and holds a copy has",
+                                labels=shard)
         ratio = GaugeMetricFamily("ffstate_compression_ratio", "Raw bytes over wire bytes of the versions sent",
                                   labels=shard)
         down = GaugeMetricFamily("ffstate_holders_down", "A local rank's holders that lack its newest version and "
                                  "did not answer their last push (not in the lag while another answers)", labels=shard)
+        seeding = GaugeMetricFamily("ffstate_holders_seeding", "A local rank's holders that answer but hold no copy to "
+                                    "build on (a full version next, or refusing: not in the lag while another is "
+                                    "current)", labels=shard)
         queue = GaugeMetricFamily("ffstate_queue_versions",
                                   "Versions read from the slots, not yet on every holder that answers", labels=shard)
         state = GaugeMetricFamily("ffstate_state_bytes", "A local rank's whole packed state (no razor)", labels=shard)
@@ -99,6 +103,7 @@ class ReportCollector(Collector):
             lag.add_metric(labels, max(0, s.version - s.replicated_version))
             queue.add_metric(labels, s.queue_versions)
             down.add_metric(labels, s.holders_down)
+            seeding.add_metric(labels, s.holders_seeding)
             if s.pushed_bytes:
                 ratio.add_metric(labels, s.pushed_raw_bytes / s.pushed_bytes)
             if s.razor is not None:
@@ -107,7 +112,7 @@ class ReportCollector(Collector):
                 verified.add_metric(labels, s.razor.verifications)
                 mismatched.add_metric(labels, s.razor.mismatches)
         yield from (hangs, step, compute, since, deadline, straggler, commit)
-        yield from (sent, versions, lag, down, ratio, queue, state, replicated, verified, mismatched, restores,
+        yield from (sent, versions, lag, down, seeding, ratio, queue, state, replicated, verified, mismatched, restores,
                     restore_seconds, restore_version, restore_lost, resized)
 
         estimate = GaugeMetricFamily("ffstate_link_estimate_bytes_per_second", "Estimated bandwidth to a holder",

@@ -367,4 +367,5 @@ def _local_report(key: ShardKey, s: LocalShard, watch: WatchReport | None = None
     return ShardReport(key, True, done[0][0] if done else 0, sorted({v for v, _ in done} | set(back), reverse=True),
                        s.reserved, s.last_push, str(s.paths[0].parent), s.replicated_version, razor, s.pushed_bytes,
                        s.pushed_versions, restore, profiled, queue_versions=max(0, s.base_version - s.replicated_version),
-                       pushed_raw_bytes=s.pushed_raw_bytes, watch=watch, holders_down=s.holders_down)
+                       pushed_raw_bytes=s.pushed_raw_bytes, watch=watch, holders_down=s.holders_down,
+                       holders_seeding=s.holders_seeding)

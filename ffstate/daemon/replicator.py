@@ -25,7 +25,7 @@ from typing import Any, Callable, Container, Protocol
 from ffstate import codec
 from ffstate.client import Client
 from ffstate.codec import Packed, host
-from ffstate.daemon.shard import FullVersion, Holder, LocalShard
+from ffstate.daemon.shard import FullVersion, Holder, LocalShard, full_version
 from ffstate.errors import CodecError, FFStateError, ReplicaError, ReplicaUnavailable
 from ffstate.scheduling.scheduler import Naive
 
@@ -34,6 +34,7 @@ HolderBatch = tuple[Holder, "list[tuple[int, Packed | FullVersion]] | None"]
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
+SEEDING_KEEP = 4  # at most this many times keep_deltas deltas kept for a holder being seeded (see _batch)
 PROBE_EVERY = 0.1  # the longest wait between two looks at an unreachable holder's connection (each costs nothing)
 DOWN_LOG_EVERY = 30.0  # seconds between the warnings that a holder is still unreachable
 
@@ -164,7 +165,12 @@ class Replicator:
         """What each due holder (not ``busy``: a push to it in flight) needs next: the deltas it lacks, or a full
         version, or (None) a look at its connection first. Under shard.lock."""
         now = time.monotonic()
-        shard.chain = shard.chain[-self.keep:]
+        # The last ``keep`` deltas; back to the version of a full version sent (up to SEEDING_KEEP times as many)
+        # until its holder's next batch: versions are taken while it is encoded and sent, and a holder whose
+        # version had left the chain by the time it landed got another full version, and another, never seeded.
+        seeding = min((h.full_in_flight for h in shard.holders if h.full_in_flight), default=0)
+        kept = sum(1 for c in shard.chain if c[1] >= seeding) if seeding else 0
+        shard.chain = shard.chain[-min(max(self.keep, kept), SEEDING_KEEP * self.keep):]
         due = [h for h in shard.holders
                if h.address not in busy and h.acked < shard.base_version and h.next_try <= now]
         if not due or shard.base is None:
@@ -178,27 +184,14 @@ class Replicator:
                 batch.append((h, None))
                 continue
             start = next((i for i, c in enumerate(shard.chain) if c[1] == h.acked), None)
+            h.full_in_flight = 0  # its full version landed (its deltas start from it) or failed: decided here
             if start is None:
-                full = full or self._full(shard)
+                full = full or full_version(shard, self.budget, self.pacer.chunk_bytes())
+                h.full_in_flight = shard.base_version
                 batch.append((h, [(shard.base_version, full.use() if isinstance(full, FullVersion) else full)]))
             else:
                 batch.append((h, [(c[0], c[2]) for c in shard.chain[start:]]))
         return batch
-
-    def _full(self, shard: LocalShard) -> FullVersion | Packed:
-        """The daemon's copy as a full version, encoded on the push threads from a copy (the copy changes in place
-        at the next version taken); with no room in the budget for the copy and its encoding, encoded here, under
-        the shard's lock, as a smaller daemon must (no version is taken meanwhile)."""
-        base, counted = shard.base, 2 * shard.manifest.nbytes
-        if self.budget is not None:
-            try:
-                self.budget.reserve(counted, f"a full version of {shard.key} for a holder that lacks it")
-            except ReplicaError as e:
-                log.info("%s; encoding it in the replication loop instead (no version is taken meanwhile)", e)
-                return codec.encode_snapshot(base, chunk_bytes=self.pacer.chunk_bytes())
-        copy = codec.Snapshot(base.manifest, host.clone(base.buffer), base.checksum)
-        return FullVersion(shard.base_version, copy, self.pacer.chunk_bytes(), counted if self.budget else 0,
-                           self.budget and self.budget.release)
 
     def _send(self, shard: LocalShard, job: HolderBatch) -> None:
         """One holder's batch: its step back, a look at its connection, or its versions in order."""
@@ -208,8 +201,7 @@ class Replicator:
                 self._step_back(shard, holder)
             elif versions is None:
                 self._probe(shard, holder)
-            elif all(self._push(shard, v, holder, p.packed() if isinstance(p, FullVersion) else p)
-                     for v, p in versions):
+            elif all(self._push(shard, v, holder, p) for v, p in versions):
                 shard.last_push = time.time()
         finally:
             for _, p in versions or ():
@@ -310,8 +302,17 @@ class Replicator:
             log.warning("holder %s still unreachable after %.0fs: %s has no copy there; looking every %.2fs",
                         holder.address, time.monotonic() - holder.down_since, shard.key, PROBE_EVERY)
 
-    def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed) -> bool:
+    def _push(self, shard: LocalShard, version: int, holder: Holder, packed: Packed | FullVersion) -> bool:
         k = shard.key
+        if isinstance(packed, FullVersion):
+            try:
+                packed = packed.packed()
+            except Exception:  # cannot happen short of memory: said, and tried again after the backoff of a failure
+                holder.backoff(1.0)
+                holder.full_in_flight = 0
+                log.exception("%s: encoding version %d in full for %s failed; trying again in %.1fs", k, version,
+                              holder.address, holder.next_try - time.monotonic())
+                return False
         base_version = holder.acked if packed.kind == "delta" else 0
         held, sent = [0.0], [0]
 
@@ -328,6 +329,7 @@ class Replicator:
             holder.client.push_and_commit(k.job_id, k.rank, k.world_size, version, packed, base_version,
                                           before_chunk=pace)
         except (ReplicaError, FFStateError) as e:
+            holder.full_in_flight = 0  # it did not land: nothing kept for it
             holder.down = isinstance(e, ReplicaUnavailable)
             # Looks first, unless one just found it answering: then it is not its connection (a daemon that
             # accepts and fails the push), and the next push waits out the backoff, as any failed push does.

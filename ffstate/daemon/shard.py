@@ -42,6 +42,7 @@ class Holder:
     answered: bool = False  # a look found it answering since its last push: if the next push fails, not its connection
     down_since: float = 0.0  # when it was first found unreachable (monotonic; 0: it is not)
     resume: int = 0  # the job resumed at this version: the holder steps its replica back to it before anything else
+    full_in_flight: int = 0  # the version of a full version being encoded or sent to it (0: none)
 
     def backoff(self, cap: float = 1.0) -> None:
         self.failures += 1
@@ -83,18 +84,34 @@ class LocalShard:
     def _down(self, h: Holder) -> bool:
         return h.down and h.acked < self.base_version
 
+    def _seeding(self, h: Holder, bases: set[int]) -> bool:
+        """Lacks a base for the next delta: a full version next (a new holder, one back from a restart, one whose
+        last push was refused); it has no copy to keep within the lag bound until that lands."""
+        return h.acked < self.base_version and h.acked not in bases
+
     @property
     def replicated_version(self) -> int:
-        """The newest version every holder that answers has: one found unreachable (its node lost, its daemon
-        restarting; a full version when it is back) is not counted, so that with ``replicas`` 2 the lag bound holds
-        for the other while it is gone; with every holder unreachable, the newest every holder has."""
-        up = [h.acked for h in self.holders if not self._down(h)]
-        return min(up or [h.acked for h in self.holders], default=0)
+        """The newest version every holder that answers and holds a copy to build on has. With ``replicas`` 2, a
+        holder found unreachable (its node lost, its daemon restarting), one waiting for its full version or one
+        that refuses (its budget full) is not counted while the other is current, so the lag bound holds for the
+        other, and the training is not held for a copy that does not exist yet; once seeded, a holder is counted
+        again (the deltas it lacks catch it up within the bound). Where no holder is both, as with one holder:
+        the newest every holder that answers has, or with none answering every holder has."""
+        bases = {c[1] for c in list(self.chain)}
+        up = [h for h in self.holders if not self._down(h)]
+        current = [h.acked for h in up if not self._seeding(h, bases)]
+        return min(current or [h.acked for h in up] or [h.acked for h in self.holders], default=0)
 
     @property
     def holders_down(self) -> int:
         """Holders that lack the newest version taken and did not answer their last push."""
         return sum(1 for h in self.holders if self._down(h))
+
+    @property
+    def holders_seeding(self) -> int:
+        """Holders that answer and lack a base for the next delta (a full version next, or refused)."""
+        bases = {c[1] for c in list(self.chain)}
+        return sum(1 for h in self.holders if not self._down(h) and self._seeding(h, bases))
 
     def report(self) -> None:
         """Writes ``replicated_version`` (and ``holders_down`` where no holder answers: the worker's commit then
@@ -177,11 +194,16 @@ class FullVersion:
         return self
 
     def packed(self) -> Packed:
-        """The encoding, made by the first push that asks (the others wait for it)."""
+        """The encoding, made by the first push that asks (the others wait for it); the copy then goes, and only
+        the encoding stays counted."""
         with self._lock:
             if self._packed is None:
                 self._packed = codec.encode_snapshot(self._snapshot, chunk_bytes=self._chunk_bytes)
                 self._snapshot = None
+                freed = max(0, self._counted - self._packed.nbytes)
+                if freed and self._release is not None:
+                    self._release(freed)
+                    self._counted -= freed
             return self._packed
 
     def done(self) -> None:
@@ -194,6 +216,28 @@ class FullVersion:
         if self._counted and self._release is not None:
             self._release(self._counted)
             self._counted = 0
+
+
+def full_version(shard: LocalShard, budget: Any, chunk_bytes: int) -> FullVersion | Packed:
+    """The daemon's copy of ``shard`` as a full version, encoded on the push threads from a copy (the daemon's
+    changes in place at the next version taken); with no room in ``budget`` (``reserve``/``release``; None: not
+    counted) for the copy and its encoding, encoded here, under the shard's lock, as a smaller daemon must (no
+    version is taken meanwhile). Call under ``shard.lock``."""
+    base, counted = shard.base, 2 * shard.manifest.nbytes
+    if budget is not None:
+        try:
+            budget.reserve(counted, f"a full version of {shard.key} for a holder that lacks it")
+        except ReplicaError as e:
+            log.info("%s; encoding it in the replication loop instead (no version is taken meanwhile)", e)
+            return codec.encode_snapshot(base, chunk_bytes=chunk_bytes)
+    try:
+        copy = Snapshot(base.manifest, host.clone(base.buffer), base.checksum)
+    except BaseException:
+        if budget is not None:
+            budget.release(counted)
+        raise
+    return FullVersion(shard.base_version, copy, chunk_bytes, counted if budget is not None else 0,
+                       budget.release if budget is not None else None)
 
 
 GONE = (ValueError, IndexError, struct.error)  # a shard dropped (its mappings closed) while it was read

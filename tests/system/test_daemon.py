@@ -539,6 +539,7 @@ def test_prometheus_metrics_and_status_show_replication_and_the_links(daemons, t
     assert next(v for k, v in metric.items() if k.startswith("ffstate_replicated_versions_total")) == 4
     assert next(v for k, v in metric.items() if k.startswith("ffstate_lag_versions")) == 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_holders_down")) == 0
+    assert next(v for k, v in metric.items() if k.startswith("ffstate_holders_seeding")) == 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_estimate_bytes_per_second")) > 0
     assert next(v for k, v in metric.items() if k.startswith("ffstate_link_share")) == 0.8
     # The writer marks no collectives: nothing seen, nothing met.

@@ -97,7 +97,9 @@ def test_a_holder_re_seeded_with_a_full_version_does_not_stop_the_versions_being
     """A holder that lacks a base gets a full version, whose encoding takes seconds for a large state. It was made in
     the replicator's loop, under the shard's lock: no version was taken meanwhile, so a block-policy commit waited
     SLOT_WAIT and overwrote a version the daemon had not read (never replicated), and the commits stalled. The full
-    version is encoded from a copy on the holder's own push thread; the loop goes on taking versions."""
+    version is encoded from a copy on the holder's own push thread; the loop goes on taking versions, and keeps
+    the deltas taken meanwhile (more than keep_deltas) for the holder, which would otherwise get another full
+    version, and another."""
     import threading
 
     import torch
@@ -122,7 +124,8 @@ def test_a_holder_re_seeded_with_a_full_version_does_not_stop_the_versions_being
         client = Recording()
         shard = LocalShard(ShardKey("j", 0, 1), daemon_slots.manifest, daemon_slots, [Holder("b:1", client)], 0)
         store = Store(1 << 30, 8, 1 << 20)  # the daemon's budget counts the copy and its encoding
-        rep = Replicator(lambda a: client, [], poll_interval=0.01, budget=store)
+        # keep 2, the daemon's default: the deltas taken while the full version is made are kept for the holder
+        rep = Replicator(lambda a: client, [], poll_interval=0.01, budget=store, keep=2)
         writer = SlotWriter(worker)
         writer.commit(state, 1, wait=2.0)
         rep.start(shard)
@@ -144,6 +147,7 @@ def test_a_holder_re_seeded_with_a_full_version_does_not_stop_the_versions_being
             assert client.pushes == [(1, "full", 0), (2, "delta", 1), (3, "delta", 2), (4, "delta", 3),
                                      (5, "delta", 4)]
             assert store.used == 0  # given back once sent
+            assert len(shard.chain) == 2  # the chain back to keep once the holder is seeded
         finally:
             gate.set()
             rep.stop(shard)
@@ -180,3 +184,106 @@ def test_with_no_room_for_its_copy_a_full_version_is_encoded_in_the_loop_as_befo
             rep.stop(shard)
             rep.shutdown()
             writer.close()
+
+
+class Refusing(Recording):
+    """A holder whose daemon answers and refuses every push (its memory budget full)."""
+
+    def push_and_commit(self, *args, **kwargs):
+        from ffstate.errors import ReplicaError
+
+        self.pushes.append(args[3])
+        raise ReplicaError("no room: this daemon's memory budget is full", "RESOURCE_EXHAUSTED")
+
+
+def test_with_two_holders_one_that_refuses_does_not_hold_the_other_s_lag_bound(tmp_path, monkeypatch):
+    """With ``replicas`` 2 the version the worker's lag check reads was the oldest of the holders that answer: one
+    that refuses every push (its budget full; each failure makes its next push a full version) kept it at 0, so
+    every commit was held for a copy that does not exist, while the other holder had every version. It counts
+    again once it takes a version."""
+    import torch
+    from helpers import worker_and_daemon_slots
+
+    from ffstate.commit import SlotWriter
+    from ffstate.daemon.shard import LocalShard
+
+    with worker_and_daemon_slots(tmp_path, monkeypatch, {"w": torch.zeros(4096)}) as (state, worker, daemon_slots):
+        refusing, taking = Refusing(), Recording()
+        holders = [Holder("b:1", refusing), Holder("c:1", taking)]
+        shard = LocalShard(ShardKey("j", 0, 1), daemon_slots.manifest, daemon_slots, holders, 0)
+        rep = Replicator(lambda a: None, [], poll_interval=0.01)
+        writer = SlotWriter(worker)
+        rep.start(shard)
+        try:
+            for version in range(1, 5):
+                state["w"][version] = version
+                writer.commit(state, version, wait=2.0)
+                deadline = time.monotonic() + 10
+                while worker.replicated() < version and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert worker.replicated() == version, (version, worker.replicated(), taking.pushes)
+            assert refusing.pushes and holders[0].acked == 0 and worker.holders_down() == 0
+            assert (shard.holders_seeding, shard.holders_down) == (1, 0)  # what status and the metrics show
+        finally:
+            rep.stop(shard)
+            rep.shutdown()
+            writer.close()
+
+
+def test_the_replicated_version_counts_a_holder_being_seeded_only_where_no_other_is_current():
+    from ffstate.daemon.shard import LocalShard
+
+    def shard(*acked, down=(), chain=()):
+        holders = [Holder(f"h{i}:1", None, acked=a, down=i in down) for i, a in enumerate(acked)]
+        s = LocalShard(ShardKey("j", 0, 1), None, None, holders, 0, base_version=9)
+        s.chain = [(v, v - 1, None, None) for v in chain]
+        return s
+
+    assert shard(9, 0).replicated_version == 9  # one current, one waiting for its full version
+    assert shard(9, 3).replicated_version == 9  # 3 is out of the deltas kept: a full version next
+    assert shard(9, 7, chain=(8, 9)).replicated_version == 7  # seeded, 2 behind: deltas catch it up, it holds
+    assert shard(0, 0).replicated_version == 0  # nothing seeded: as with one holder
+    assert shard(3).replicated_version == 3  # one holder: as before
+    assert shard(9, 5, down={1}).replicated_version == 9  # down: not counted (as before)
+    assert shard(4, 2, down={0, 1}).replicated_version == 2  # all down: every holder's
+    assert shard(0, 4, down={1}, chain=(5, 6)).replicated_version == 0  # the one answering waits for its full version
+
+
+def test_a_full_version_that_fails_to_encode_is_tried_again_after_a_backoff_and_frees_its_memory(tmp_path,
+                                                                                                   monkeypatch, caplog):
+    """Encoded on a push thread, a failure (short of memory) ended the batch with the holder due at once: the next
+    round copied and encoded again, thousands of times a second, a traceback each."""
+    import torch
+    from helpers import worker_and_daemon_slots
+
+    from ffstate import codec
+    from ffstate.commit import SlotWriter
+    from ffstate.daemon.shard import LocalShard
+    from ffstate.daemon.store import Store
+
+    tries, real = [], codec.encode_snapshot
+
+    def failing(snapshot, base=None, **kw):
+        if base is None:
+            tries.append(time.monotonic())
+            raise MemoryError("no memory for the encoding")
+        return real(snapshot, base, **kw)
+
+    monkeypatch.setattr(codec, "encode_snapshot", failing)
+    with worker_and_daemon_slots(tmp_path, monkeypatch, {"w": torch.zeros(4096)}) as (state, worker, daemon_slots):
+        client, store = Recording(), Store(1 << 30, 8, 1 << 20)
+        shard = LocalShard(ShardKey("j", 0, 1), daemon_slots.manifest, daemon_slots, [Holder("b:1", client)], 0)
+        rep = Replicator(lambda a: client, [], poll_interval=0.01, budget=store)
+        writer = SlotWriter(worker)
+        writer.commit(state, 1, wait=2.0)
+        rep.start(shard)
+        try:
+            time.sleep(1.0)
+            assert 1 <= len(tries) <= 6, len(tries)  # 0.1, 0.2, 0.4 s apart...
+            assert "encoding version 1 in full for b:1 failed" in caplog.text and not client.pushes
+        finally:
+            rep.stop(shard)
+            rep.shutdown()
+            writer.close()
+        time.sleep(0.1)
+        assert store.used == 0
