@@ -118,7 +118,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--peer", dest="peers", action="append", default=[], metavar="HOST:PORT",
                    help="a daemon on another node that holds this node's replicas (repeatable)")
     p.add_argument("--memory-limit", type=parse_bytes, default=0,
-                   help="memory budget for slots, replicas and staging, e.g. 8G (default: a quarter of RAM)")
+                   help="memory budget for slots, replicas and staging, e.g. 8G (default: a quarter of the host's "
+                        "RAM, or of its container's memory limit where lower)")
     p.add_argument("--token-file", type=Path, help="file holding the job token (default: $FFSTATE_TOKEN)")
     _tls_args(p)
     p.add_argument("--tls-client-ca", type=Path, help="require client certificates signed by this CA (mutual TLS)")

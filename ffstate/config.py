@@ -307,7 +307,7 @@ class DaemonConfig:
     port: int = 7700  # Config.base_port: where the workers look for their node's daemon; 0: any free port
     node_id: str = field(default_factory=lambda: socket.gethostname().split(".")[0] or "node")  # the host name
     peers: tuple[str, ...] = field(default=(), metadata={"flag": "--peer"})
-    memory_limit: int = 0  # bytes; 0: a quarter of the host's RAM
+    memory_limit: int = 0  # bytes; 0: a quarter of the host's RAM, or of its cgroup's limit where lower
     token: str = field(default="", metadata={"flag": None}, repr=False)
     tls_cert: Path | None = None
     tls_key: Path | None = None

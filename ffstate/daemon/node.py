@@ -11,7 +11,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from ffstate.client import Client, Tls
 from ffstate.codec import Packed
 from ffstate.config import DaemonConfig
 from ffstate.daemon.drain import Drainer
+from ffstate.daemon.memory import default_memory_limit
 from ffstate.daemon.persister import Persister
 from ffstate.daemon.replicator import Pacer, Replicator
 from ffstate.daemon.shard import GONE as _GONE
@@ -43,10 +43,6 @@ log = logging.getLogger("ffstate.daemon")
 # A manifest's JSON (7,700 tensors take about 1 MB); within the servicer's message cap, so that this is the
 # limit a client meets, with its message, rather than gRPC's.
 MAX_MANIFEST_BYTES = 16 << 20
-
-
-def default_memory_limit() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
 
 
 @dataclass

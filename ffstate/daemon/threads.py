@@ -1,6 +1,6 @@
 """The daemon's threads under their own names in the operating system, so that ``top -H``, ``ps -L`` and
 ``perf --sort comm`` say where its CPU goes: the codec's pool (``codec_0``...), each local rank's replicator
-(``repl-0``...), the pushes' and the server's pools (``push_0``, ``batch_0``, ``rpc_0``...), grpcio's own Python
+(``repl-0``...), the pushes' and the server's pools (``batch_0``, ``rpc_0``...), grpcio's own Python
 threads (``_serve``, its server's; ``_run``, each streamed push's request feeder, one a call), the watchdogs. gRPC's
 core names its threads itself (``event_engine``). Python before 3.14 leaves every thread with the process's name.
 
