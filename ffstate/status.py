@@ -89,7 +89,7 @@ def main(args: argparse.Namespace) -> int:
         if s.local:  # "-": nothing to lag behind (no version yet, or no holder: a one-node job)
             lag = str(s.version - s.replicated_version) if s.version and (s.replicated_version or s.pushed_versions) \
                 else "-"
-            # holders left out of the lag (with replicas 2, while another is current): no copy kept within it
+            # holders with no copy within the lag bound: down (with replicas 2 not in the lag), or being seeded
             for n, what in ((s.holders_down, "down"), (s.holders_seeding, "being seeded")):
                 if n:
                     lag += f" ([red]{n} holder{'s' if n > 1 else ''} {what}[/red])"

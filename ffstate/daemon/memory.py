@@ -5,8 +5,11 @@ kernel's OOM killer, not a refusal, would end it."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+log = logging.getLogger("ffstate.daemon")
 
 CGROUP = Path("/sys/fs/cgroup")
 SELF = Path("/proc/self/cgroup")
@@ -21,7 +24,7 @@ def _limit(path: Path) -> int | None:
         raw = path.read_text().strip()
     except OSError:  # not there, or not readable: no limit known there
         return None
-    return int(raw) if raw.isdigit() else None  # "max": none
+    return int(raw) if raw.isascii() and raw.isdigit() else None  # "max": none
 
 
 def cgroup_limit(root: Path = CGROUP, self_cgroup: Path = SELF) -> int | None:
@@ -51,5 +54,10 @@ def cgroup_limit(root: Path = CGROUP, self_cgroup: Path = SELF) -> int | None:
 
 def default_memory_limit() -> int:
     """A quarter of the memory this daemon may use: the host's RAM, or its cgroup's limit where that is lower."""
-    limit = cgroup_limit()
+    try:
+        limit = cgroup_limit()
+    except Exception as e:  # files not as the kernel writes them: the daemon starts anyway, on the host's RAM
+        log.warning("could not read this process's cgroup memory limit (%s); the default budget is a quarter of "
+                    "the host's RAM", e)
+        limit = None
     return min(host_bytes(), limit if limit is not None else host_bytes()) // 4

@@ -31,15 +31,14 @@ class ReportCollector(Collector):
         sent = CounterMetricFamily("ffstate_replicated_bytes", "Bytes a local rank sent to its holders (wire)", labels=shard)
         versions = CounterMetricFamily("ffstate_replicated_versions", "Versions sent, once per holder", labels=shard)
         lag = GaugeMetricFamily("ffstate_lag_versions",
-                                "Newest committed version minus what every holder that answers and holds a copy has",
+                                "Newest committed version minus what every holder that answers has",
                                 labels=shard)
         ratio = GaugeMetricFamily("ffstate_compression_ratio", "Raw bytes over wire bytes of the versions sent",
                                   labels=shard)
         down = GaugeMetricFamily("ffstate_holders_down", "A local rank's holders that lack its newest version and "
                                  "did not answer their last push (not in the lag while another answers)", labels=shard)
         seeding = GaugeMetricFamily("ffstate_holders_seeding", "A local rank's holders that answer but hold no copy to "
-                                    "build on (a full version next, or refusing: not in the lag while another is "
-                                    "current)", labels=shard)
+                                    "build on (a full version next, or refusing; counted in the lag)", labels=shard)
         queue = GaugeMetricFamily("ffstate_queue_versions",
                                   "Versions read from the slots, not yet on every holder that answers", labels=shard)
         state = GaugeMetricFamily("ffstate_state_bytes", "A local rank's whole packed state (no razor)", labels=shard)

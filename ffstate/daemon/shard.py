@@ -85,22 +85,19 @@ class LocalShard:
         return h.down and h.acked < self.base_version
 
     def _seeding(self, h: Holder, bases: set[int]) -> bool:
-        """Lacks a base for the next delta: a full version next (a new holder, one back from a restart, one whose
-        last push was refused); it has no copy to keep within the lag bound until that lands."""
+        """Lacks a base for the next delta: a full version next (a new holder, one that restarted between two
+        pushes, one whose last push was refused, one that fell out of the deltas kept)."""
         return h.acked < self.base_version and h.acked not in bases
 
     @property
     def replicated_version(self) -> int:
-        """The newest version every holder that answers and holds a copy to build on has. With ``replicas`` 2, a
-        holder found unreachable (its node lost, its daemon restarting), one waiting for its full version or one
-        that refuses (its budget full) is not counted while the other is current, so the lag bound holds for the
-        other, and the training is not held for a copy that does not exist yet; once seeded, a holder is counted
-        again (the deltas it lacks catch it up within the bound). Where no holder is both, as with one holder:
-        the newest every holder that answers has, or with none answering every holder has."""
-        bases = {c[1] for c in list(self.chain)}
-        up = [h for h in self.holders if not self._down(h)]
-        current = [h.acked for h in up if not self._seeding(h, bases)]
-        return min(current or [h.acked for h in up] or [h.acked for h in self.holders], default=0)
+        """The newest version every holder that answers has: one found unreachable (its node lost, its daemon
+        restarting; a full version when it is back) is not counted, so that with ``replicas`` 2 the lag bound holds
+        for the other while it is gone; with every holder unreachable, the newest every holder has. A holder that
+        answers is counted however far behind (being seeded, refusing, slow): the ``block`` policy holds the
+        training for it, as it does with one holder."""
+        up = [h.acked for h in self.holders if not self._down(h)]
+        return min(up or [h.acked for h in self.holders], default=0)
 
     @property
     def holders_down(self) -> int:
@@ -109,7 +106,8 @@ class LocalShard:
 
     @property
     def holders_seeding(self) -> int:
-        """Holders that answer and lack a base for the next delta (a full version next, or refused)."""
+        """Holders that answer and lack a base for the next delta (a full version next, or refused): what keeps
+        the lag up (``ffstate status``, the metrics)."""
         bases = {c[1] for c in list(self.chain)}
         return sum(1 for h in self.holders if not self._down(h) and self._seeding(h, bases))
 

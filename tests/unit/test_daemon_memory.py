@@ -53,3 +53,17 @@ def test_the_default_budget_is_a_quarter_of_the_lower_of_the_host_and_its_limit(
     monkeypatch.setattr(memory, "cgroup_limit", lambda: limit)
     host = memory.host_bytes()
     assert memory.default_memory_limit() == min(host, limit or host) // 4
+
+
+def test_files_not_as_the_kernel_writes_them_never_stop_the_daemon_s_start(tmp_path, monkeypatch, caplog):
+    root, me = tmp_path / "cgroup", tmp_path / "self"
+    _write(root, "cgroup.controllers", "memory")
+    _write(root, "a/memory.max", "²")  # a digit to str.isdigit, not to int()
+    me.write_text("0::/a\n")
+    assert memory.cgroup_limit(root, me) is None
+    me.write_bytes(b"0::/a\xff/b\n")  # not UTF-8
+    monkeypatch.setattr(memory, "CGROUP", root)
+    monkeypatch.setattr(memory, "SELF", me)
+    monkeypatch.setattr(memory.cgroup_limit, "__defaults__", (root, me))
+    assert memory.default_memory_limit() == memory.host_bytes() // 4
+    assert "could not read this process's cgroup memory limit" in caplog.text
