@@ -49,6 +49,7 @@ def cgroup_limit(root: Path = CGROUP, self_cgroup: Path = SELF) -> int | None:
             limit = _limit(base.joinpath(*parts[:depth], name))
             if limit is not None:
                 limits.append(limit)
+    limits = [n for n in limits if n > 0]  # 0 (none allowed) is no limit a running process can be under
     return min(limits) if limits else None
 
 

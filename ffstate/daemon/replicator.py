@@ -34,7 +34,6 @@ HolderBatch = tuple[Holder, "list[tuple[int, Packed | FullVersion]] | None"]
 
 log = logging.getLogger("ffstate.daemon.replicator")
 SUMMARY_EVERY = 60.0  # seconds between the log's summaries of a shard's pushes (each delta is logged at DEBUG)
-SEEDING_KEEP = 4  # at most this many times keep_deltas deltas kept for a holder being seeded (see _batch)
 PROBE_EVERY = 0.1  # the longest wait between two looks at an unreachable holder's connection (each costs nothing)
 DOWN_LOG_EVERY = 30.0  # seconds between the warnings that a holder is still unreachable
 
@@ -130,6 +129,9 @@ class Replicator:
         shard.wake.set()
         if shard.thread is not None:
             shard.thread.join(wait)
+        if self.budget is not None and shard.seeding_counted:
+            self.budget.release(shard.seeding_counted)
+            shard.seeding_counted = 0
         for h in shard.holders:
             h.client.close()
 
@@ -165,12 +167,7 @@ class Replicator:
         """What each due holder (not ``busy``: a push to it in flight) needs next: the deltas it lacks, or a full
         version, or (None) a look at its connection first. Under shard.lock."""
         now = time.monotonic()
-        # The last ``keep`` deltas; back to the version of a full version sent (up to SEEDING_KEEP times as many)
-        # until its holder's next batch: versions are taken while it is encoded and sent, and a holder whose
-        # version had left the chain by the time it landed got another full version, and another, never seeded.
-        seeding = min((h.full_in_flight for h in shard.holders if h.full_in_flight), default=0)
-        kept = sum(1 for c in shard.chain if c[1] >= seeding) if seeding else 0
-        shard.chain = shard.chain[-min(max(self.keep, kept), SEEDING_KEEP * self.keep):]
+        shard.trim_chain(self.keep, self.budget)
         due = [h for h in shard.holders
                if h.address not in busy and h.acked < shard.base_version and h.next_try <= now]
         if not due or shard.base is None:

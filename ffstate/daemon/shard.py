@@ -24,6 +24,7 @@ from ffstate.layout import Manifest
 from ffstate.shm import Slots
 
 log = logging.getLogger("ffstate.daemon.replicator")
+SEEDING_KEEP = 4  # at most this many times keep_deltas deltas kept for a holder being seeded (trim_chain)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class LocalShard:
     bell: int = 0  # the rank's id at the daemon's doorbell (0: none)
     persist_keys: dict | None = None  # the worker's DCP key map (ffstate/persist/keys.py), for the persistent tier
     said: tuple = (0.0, 0, 0, 0)  # monotonic time, versions, bytes and raw bytes at the last summary in the log
+    seeding_counted: int = 0  # bytes of the deltas kept past keep_deltas for a holder being seeded, in the budget
 
     def _down(self, h: Holder) -> bool:
         return h.down and h.acked < self.base_version
@@ -110,6 +112,27 @@ class LocalShard:
         the lag up (``ffstate status``, the metrics)."""
         bases = {c[1] for c in list(self.chain)}
         return sum(1 for h in self.holders if not self._down(h) and self._seeding(h, bases))
+
+    def trim_chain(self, keep: int, budget: Any = None) -> None:
+        """Keeps the last ``keep`` deltas, and back to the version of a full version sent to a holder until that
+        holder's next batch (up to ``SEEDING_KEEP`` × ``keep``): versions are taken while it is encoded and sent,
+        and a holder whose version had left the chain by the time it landed got another full version, and another,
+        never seeded. Those past ``keep`` are counted against ``budget`` (``reserve``/``release``); without room,
+        only ``keep`` are kept. Call under ``lock``."""
+        seeding = min((h.full_in_flight for h in self.holders if h.full_in_flight), default=0)
+        kept = sum(1 for c in self.chain if c[1] >= seeding) if seeding else 0
+        chain = self.chain[-min(max(keep, kept), SEEDING_KEEP * keep):]
+        extra = sum(c[2].nbytes for c in chain[:max(0, len(chain) - keep)])
+        if budget is not None and extra > self.seeding_counted:
+            try:
+                budget.reserve(extra - self.seeding_counted, f"the deltas of {self.key} kept for a holder being seeded")
+                self.seeding_counted = extra
+            except ReplicaError:
+                chain, extra = chain[-keep:], 0
+        if budget is not None and extra < self.seeding_counted:
+            budget.release(self.seeding_counted - extra)
+            self.seeding_counted = extra
+        self.chain = chain
 
     def report(self) -> None:
         """Writes ``replicated_version`` (and ``holders_down`` where no holder answers: the worker's commit then
