@@ -200,9 +200,8 @@ class FullVersion:
     commits, then are overwritten). Its memory, the copy and the encoding, is counted (``counted`` bytes, given
     back with ``release``) until the last of its holders' pushes ends (``done``)."""
 
-    def __init__(self, version: int, snapshot: Snapshot, chunk_bytes: int, counted: int = 0,
-                 release: Any = None):
-        self.version, self._snapshot, self._chunk_bytes = version, snapshot, chunk_bytes
+    def __init__(self, snapshot: Snapshot, chunk_bytes: int, counted: int = 0, release: Any = None):
+        self._snapshot, self._chunk_bytes = snapshot, chunk_bytes
         self._counted, self._release = counted, release
         self._lock = threading.Lock()
         self._packed: Packed | None = None
@@ -257,7 +256,7 @@ def full_version(shard: LocalShard, budget: Any, chunk_bytes: int) -> FullVersio
         if budget is not None:
             budget.release(counted)
         raise
-    return FullVersion(shard.base_version, copy, chunk_bytes, counted if budget is not None else 0,
+    return FullVersion(copy, chunk_bytes, counted if budget is not None else 0,
                        budget.release if budget is not None else None)
 
 
